@@ -1,0 +1,173 @@
+"""Build (on first use, cached) and load the C++/CUDA kernels in ``csrc/``.
+
+The extension is compiled with ``torch.utils.cpp_extension.load`` and ninja
+into a cache folder keyed by a hash of the sources, the torch version, the
+compiler flags and the CPU's vector capability, so a change to any of them
+rebuilds and an unchanged tree loads in milliseconds. Loading the shared
+library runs its ``TORCH_LIBRARY_IMPL`` blocks, which register the kernels
+for the op schemas that :mod:`lq._ops` defined.
+
+Where the build cannot happen (no compiler, no ninja) the ops keep their
+pure-PyTorch reference kernels and one warning says why. ``LQ_DISABLE_EXT=1``
+skips the extension on purpose (no warning). Prebuild with ``lq-build-ext``
+(or ``python -m lq._ext``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+_STATE = {"loaded": False, "error": None, "path": None}
+
+
+def disabled() -> bool:
+    return os.environ.get("LQ_DISABLE_EXT", "").strip() not in ("", "0", "false", "False")
+
+
+def source_dir() -> Path:
+    """``lq/_csrc`` in an installed wheel, ``<repo>/csrc`` in a checkout."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "_csrc", here.parent / "csrc"):
+        if cand.is_dir() and any(cand.glob("*.cpp")):
+            return cand
+    raise FileNotFoundError(f"lq's C++ sources were not found next to {here}")
+
+
+def cpu_capability() -> str:
+    """The widest x86 vector ISA this CPU and ATen's ``at::vec`` both support."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        return "DEFAULT"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "AVX512"
+    if {"avx2", "fma"} <= flags:
+        return "AVX2"
+    return "DEFAULT"
+
+
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+    "DEFAULT": [],
+}
+
+
+def cuda_buildable() -> bool:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return torch.version.cuda is not None and torch.cuda.is_available() and CUDA_HOME is not None
+
+
+def _sources() -> tuple[list[str], list[str]]:
+    src = source_dir()
+    cpp = sorted(str(p) for p in src.glob("*.cpp"))
+    cuda = sorted(str(p) for p in (src / "cuda").glob("*.cu")) if cuda_buildable() else []
+    return cpp, cuda
+
+
+def build_flags() -> tuple[list[str], list[str], list[str]]:
+    cap = cpu_capability()
+    cflags = ["-O3", "-fopenmp", "-DNDEBUG", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"]
+    cflags += _CAPABILITY_FLAGS[cap]
+    cuda_flags = ["-O3", "-std=c++17"]  # no --use_fast_math: results must match the CPU bit for bit
+    ldflags = ["-fopenmp"]
+    return cflags, cuda_flags, ldflags
+
+
+def _build_name(sources: list[str], flags) -> str:
+    h = hashlib.sha256()
+    src = source_dir()
+    for p in sorted(src.rglob("*")):
+        if p.is_file() and p.suffix in (".cpp", ".h", ".cu", ".cuh"):
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(repr(flags).encode())
+    h.update(repr(sources).encode())
+    h.update(sys.version.encode())
+    return "lq_C_" + h.hexdigest()[:12]
+
+
+def cache_root() -> Path:
+    root = os.environ.get("LQ_EXT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "lq", "ext"
+    )
+    return Path(root)
+
+
+def build(verbose: bool = False) -> str:
+    """Compile (if not cached) and load the extension; return the library path."""
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None and not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja is not installed (pip install ninja)")
+    cpp, cuda = _sources()
+    cflags, cuda_flags, ldflags = build_flags()
+    name = _build_name(cpp + cuda, (cflags, cuda_flags, ldflags))
+    build_dir = cache_root() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=name,
+        sources=cpp + cuda,
+        extra_cflags=cflags + (["-DLQ_WITH_CUDA"] if cuda else []),
+        extra_cuda_cflags=cuda_flags,
+        extra_ldflags=ldflags,
+        extra_include_paths=[str(source_dir())],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=verbose,
+    )
+    return str(build_dir / f"{name}.so")
+
+
+def load() -> bool:
+    """Load the kernels once; on failure keep the reference kernels and warn once."""
+    if _STATE["loaded"]:
+        return True
+    if disabled():
+        return False
+    try:
+        _STATE["path"] = build()
+        _STATE["loaded"] = True
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the reference
+        _STATE["error"] = f"{type(e).__name__}: {e}"
+        warnings.warn(
+            "lq: the C++ extension could not be built, so the pure-PyTorch reference kernels are used "
+            f"(correct but slower). Reason: {_STATE['error'][:2000]}. Set LQ_DISABLE_EXT=1 to silence this.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return _STATE["loaded"]
+
+
+def is_loaded() -> bool:
+    return _STATE["loaded"]
+
+
+def main() -> int:
+    """``lq-build-ext``: prebuild the extension and report where it lives."""
+    if disabled():
+        print("LQ_DISABLE_EXT is set: nothing to build")
+        return 0
+    import lq._ops  # noqa: F401  (defines the schemas the kernels register for)
+
+    path = build(verbose="-v" in sys.argv)
+    print(f"lq extension ready: {path} (CPU capability {cpu_capability()}, CUDA {'yes' if _sources()[1] else 'no'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

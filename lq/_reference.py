@@ -1,0 +1,160 @@
+"""Pure-PyTorch reference implementation of every ``torch.ops.lq`` op.
+
+This module is the single definition of lq's numerics. The C++ and CUDA
+kernels are tested bit for bit against these functions, and these functions
+are what the ops run where the extension cannot be built (or where
+``LQ_DISABLE_EXT=1``).
+
+Every function here computes exactly what its kernel computes, in the same
+order of floating point operations (all arithmetic in float32, the result
+cast back to the input dtype), so that "bit for bit" is a meaningful test.
+
+Argument checks live in :mod:`lq._checks` and are called by the op layer,
+not here, so the reference stays a plain description of the arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: amax at or below this value quantizes everything to zero (smallest fp16
+#: subnormal is 2^-24; a calibrated all-zero channel ends up here).
+AMAX_EPSILON = 2.0**-24
+
+#: Largest finite FP8 E4M3 (``e4m3fn``) value.
+E4M3_MAX = 448.0
+
+
+def int_bounds(num_bits: int, unsigned: bool, narrow_range: bool) -> tuple[float, float]:
+    """Return ``(min_bound, max_bound)`` of the integer grid.
+
+    ``max_bound = 2^(num_bits - 1 + unsigned) - 1``; the signed range is
+    ``[-max_bound, max_bound]`` with ``narrow_range`` and
+    ``[-max_bound - 1, max_bound]`` without; unsigned is ``[0, max_bound]``.
+    """
+    max_bound = float(2 ** (num_bits - 1 + int(unsigned)) - 1)
+    if unsigned:
+        min_bound = 0.0
+    elif narrow_range:
+        min_bound = -max_bound
+    else:
+        min_bound = -max_bound - 1.0
+    return min_bound, max_bound
+
+
+def quant_scale(amax: torch.Tensor, num_bits: int, unsigned: bool) -> torch.Tensor:
+    """``max_bound / amax`` in float32, and 0 where ``amax <= AMAX_EPSILON``."""
+    amax = amax.float()
+    _, max_bound = int_bounds(num_bits, unsigned, True)
+    scale = max_bound / amax
+    return torch.where(amax <= AMAX_EPSILON, torch.zeros_like(scale), scale)
+
+
+def _quantize(x: torch.Tensor, scale: torch.Tensor, num_bits: int, unsigned: bool, narrow_range: bool):
+    min_bound, max_bound = int_bounds(num_bits, unsigned, narrow_range)
+    # torch.round is round-half-to-even; clamp keeps NaN as NaN.
+    return torch.clamp(torch.round(x.float() * scale), min_bound, max_bound)
+
+
+def fake_quant(x, amax, num_bits: int = 8, unsigned: bool = False, narrow_range: bool = True):
+    """Quantize to the integer grid and dequantize: ``round(x * s) / s``, ``s = max_bound / amax``.
+
+    ``amax`` broadcasts against ``x`` (a scalar for per-tensor, size-1 dims
+    elsewhere for per-channel). Where ``amax <= 2^-24`` the output is 0.
+    """
+    scale = quant_scale(amax, num_bits, unsigned)
+    q = _quantize(x, scale, num_bits, unsigned, narrow_range)
+    out = torch.where(scale == 0, torch.zeros_like(q), q / scale)
+    return out.to(x.dtype)
+
+
+def fake_quant_backward(grad, x, amax):
+    """Straight-through estimator with clipping: ``grad`` where ``|x| <= amax`` (inclusive), else 0."""
+    inside = x.float().abs() <= amax.float()
+    return torch.where(inside, grad, torch.zeros_like(grad))
+
+
+def quant(x, amax, num_bits: int = 8, unsigned: bool = False, narrow_range: bool = True):
+    """Real quantization: integer values (stored in ``x.dtype``) and the float32 scale.
+
+    ``outputs / scale`` dequantizes. Where ``amax <= 2^-24`` the outputs are 0
+    and the returned scale is 1 (any scale dequantizes 0 to 0).
+    """
+    scale = quant_scale(amax, num_bits, unsigned)
+    q = _quantize(x, scale, num_bits, unsigned, narrow_range)
+    scale_out = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return q.to(x.dtype), scale_out
+
+
+def affine_params(min_range, max_range, num_bits: int):
+    """``(step_size, zero_point, min_bound, max_bound)`` of gemmlowp-style affine quantization."""
+    min_range = min_range.float()
+    max_range = max_range.float()
+    step = (max_range - min_range) / float(2**num_bits - 1)
+    min_bound = -float(2 ** (num_bits - 1))
+    max_bound = float(2 ** (num_bits - 1) - 1)
+    zero_point = torch.round(min_range / step) - min_bound
+    return step, zero_point, min_bound, max_bound
+
+
+def fake_affine_quant(x, min_range, max_range, num_bits: int = 8):
+    """Affine fake quantization: ``(clamp(round(x / step) - zp) + zp) * step``."""
+    step, zp, min_bound, max_bound = affine_params(min_range, max_range, num_bits)
+    q = torch.clamp(torch.round(x.float() / step) - zp, min_bound, max_bound)
+    return ((q + zp) * step).to(x.dtype)
+
+
+def fake_affine_quant_backward(grad, x, min_range, max_range):
+    """STE with clipping to ``[min_range, max_range]`` (inclusive)."""
+    xf = x.float()
+    inside = (xf >= min_range.float()) & (xf <= max_range.float())
+    return torch.where(inside, grad, torch.zeros_like(grad))
+
+
+def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """Round float32 ``v`` to the nearest FP8 E4M3 value (half to even), saturating at ±448."""
+    v = torch.clamp(v, -E4M3_MAX, E4M3_MAX)
+    return v.to(torch.float8_e4m3fn).float()
+
+
+def scaled_e4m3(x, amax):
+    """FP8 E4M3 fake quantization: scale by ``448 / amax``, round to E4M3, scale back.
+
+    Where ``amax <= 2^-24`` the output is 0.
+    """
+    amax = amax.float()
+    scale = E4M3_MAX / amax
+    scale = torch.where(amax <= AMAX_EPSILON, torch.zeros_like(scale), scale)
+    y = round_to_e4m3(x.float() * scale)
+    out = torch.where(scale == 0, torch.zeros_like(y), y / scale)
+    return out.to(x.dtype)
+
+
+def _block_view(x: torch.Tensor, axis: int, block_size: int) -> torch.Tensor:
+    """View ``x`` as ``(outer, n // block, block, inner)`` with the blocks along ``axis``."""
+    axis = axis % x.dim() if x.dim() else 0
+    shape = x.shape
+    outer = 1
+    for s in shape[:axis]:
+        outer *= s
+    inner = 1
+    for s in shape[axis + 1 :]:
+        inner *= s
+    n = shape[axis]
+    return x.reshape(outer, n // block_size, block_size, inner)
+
+
+def block_amax(x, axis: int, block_size: int) -> torch.Tensor:
+    """Per-block ``abs().amax()`` as float32, shaped ``(outer, n // block, 1, inner)``."""
+    xb = _block_view(x, axis, block_size)
+    if xb.numel() == 0:
+        return torch.zeros(xb.shape[0], xb.shape[1], 1, xb.shape[3], dtype=torch.float32, device=x.device)
+    return xb.float().abs().amax(dim=2, keepdim=True)
+
+
+def fake_dynamic_block_quant(x, axis: int, block_size: int, num_bits: int = 8, unsigned: bool = False,
+                             narrow_range: bool = True):
+    """Block quantization with the amax of each block computed from the block itself."""
+    xb = _block_view(x, axis, block_size)
+    amax = block_amax(x, axis, block_size)
+    return fake_quant(xb, amax, num_bits, unsigned, narrow_range).reshape(x.shape)
