@@ -36,6 +36,9 @@ SCHEMAS = {
         "fake_dynamic_block_quant(Tensor x, int axis, int block_size, int num_bits, bool unsigned, "
         "bool narrow_range) -> Tensor"
     ),
+    "abs_histogram": (
+        "abs_histogram(Tensor x, Tensor range_max, int num_bins, int? axis) -> (Tensor, Tensor, Tensor)"
+    ),
 }
 
 _lib = torch.library.Library("lq", "DEF")
@@ -83,6 +86,7 @@ _REFERENCE_KERNELS = {
     "fake_affine_quant_backward": _reference.fake_affine_quant_backward,
     "scaled_e4m3": _ref_scaled_e4m3,
     "fake_dynamic_block_quant": _ref_fake_dynamic_block_quant,
+    "abs_histogram": _reference.abs_histogram,
 }
 for _name, _fn in _REFERENCE_KERNELS.items():
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
@@ -135,6 +139,19 @@ def _(x, axis, block_size, num_bits, unsigned, narrow_range):
     _checks.check_num_bits(num_bits, unsigned)
     _checks.check_block(x, axis, block_size)
     return torch.empty_like(x)
+
+
+@torch.library.register_fake("lq::abs_histogram")
+def _(x, range_max, num_bins, axis):
+    if axis is None:
+        lead: tuple = ()
+    else:
+        lead = (x.shape[_checks.normalize_axis(axis, x.dim())],)
+    return (
+        x.new_empty(lead + (num_bins,), dtype=torch.int64),
+        x.new_empty(lead, dtype=torch.float32),
+        x.new_empty(lead, dtype=torch.int64),
+    )
 
 
 # --------------------------------------------------------------------------- autograd

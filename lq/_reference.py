@@ -158,3 +158,42 @@ def fake_dynamic_block_quant(x, axis: int, block_size: int, num_bits: int = 8, u
     xb = _block_view(x, axis, block_size)
     amax = block_amax(x, axis, block_size)
     return fake_quant(xb, amax, num_bits, unsigned, narrow_range).reshape(x.shape)
+
+
+def abs_histogram(x, range_max, num_bins: int, axis: int | None = None):
+    """Histogram of ``|x|`` over ``num_bins`` equal bins on ``[0, range_max]``, in one pass.
+
+    Returns ``(counts, absmax, nonfinite)``:
+
+    * ``counts`` (int64): ``(num_bins,)`` per tensor, ``(C, num_bins)`` with
+      ``axis`` (``C = x.shape[axis]``, ``range_max`` of shape ``(C,)``, each
+      channel binned on its own range);
+    * ``absmax`` (float32, ``()`` or ``(C,)``): the largest finite ``|x|``
+      (0 when there is none), so a caller can grow its range;
+    * ``nonfinite`` (int64, ``()`` or ``(C,)``): how many NaN/Inf were skipped.
+
+    Bin of ``a = |x|``: ``min(floor(a * (num_bins / range_max)), num_bins - 1)``
+    with ``num_bins / range_max`` computed once in float32; values with
+    ``a > range_max`` (or non-finite) are not counted. ``range_max <= 0``
+    counts only zeros, into bin 0.
+    """
+    xf = x.float()
+    if axis is None:
+        xc = xf.reshape(1, -1)
+        rng = range_max.float().reshape(1)
+    else:
+        xc = xf.movedim(axis, 0).reshape(x.shape[axis], -1)
+        rng = range_max.float().reshape(-1)
+    a = xc.abs()
+    finite = torch.isfinite(a)
+    nonfinite = (~finite).sum(dim=1)
+    a = torch.where(finite, a, torch.zeros_like(a))
+    absmax = a.amax(dim=1) if a.shape[1] else torch.zeros(a.shape[0], device=x.device)
+    inv = torch.where(rng > 0, num_bins / rng, torch.zeros_like(rng)).unsqueeze(1)
+    idx = torch.clamp(torch.floor(a * inv), max=num_bins - 1).long()
+    keep = finite & (a <= rng.unsqueeze(1)) & ((rng.unsqueeze(1) > 0) | (a == 0))
+    counts = torch.zeros(a.shape[0], num_bins, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(1, torch.where(keep, idx, torch.zeros_like(idx)), keep.long())
+    if axis is None:
+        return counts[0], absmax[0], nonfinite[0]
+    return counts, absmax, nonfinite
