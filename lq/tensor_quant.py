@@ -441,7 +441,8 @@ def fake_block_quant(inputs, block_sizes: dict, num_bits=8, amax=None, unsigned=
     if dynamic:
         amax = block_amax(inputs, block_sizes)
     else:
-        amax = _as_amax(amax, inputs)
+        if not isinstance(amax, torch.Tensor):
+            raise TypeError(f"block amax must be a torch.Tensor, got {type(amax).__name__}")
         expected = [n // dict(items).get(i, 1) for i, n in enumerate(inputs.shape)]
         if list(amax.shape) != expected:
             raise ValueError(
