@@ -1,0 +1,406 @@
+"""Typed configuration: the one source of truth for every option of the callback suite.
+
+The same dataclasses serve three front ends:
+
+* Python: ``QuantCallback(quant=Int8PerChannelConfig(), calib=CalibConfig(method="entropy"))``;
+* Hydra: registered in the ConfigStore (:func:`register_configs`) and mirrored
+  by the YAML presets in ``conf/``;
+* LightningCLI: the callback's ``__init__`` is typed with these classes, so
+  jsonargparse builds ``--trainer.callbacks.calib.method=entropy`` from them.
+
+Every value is checked in ``__post_init__``: a bad value raises ``ValueError``
+naming the field and the allowed values (Hydra and the CLI construct the
+dataclasses, so they fail the same way, before any training starts).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, List, Optional
+
+from lq.tensor_quant import QuantDescriptor
+
+FORMATS = ("int", "fp8_e4m3")
+BLOCK_TYPES = ("static", "dynamic")
+CALIB_METHODS = ("max", "entropy", "percentile", "mse")
+CALIB_DATALOADERS = ("train", "val")
+LR_POLICIES = ("none", "cosine")
+EXPORTERS = ("dynamo", "legacy")
+
+
+def _choice(owner: str, name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{owner}.{name}={value!r} is not allowed: choose one of {list(allowed)}")
+
+
+def _positive(owner: str, name: str, value, *, allow_none: bool = False, strict: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value > 0 if strict else value >= 0)
+    if not ok:
+        kind = "a positive number" if strict else "a number >= 0"
+        raise ValueError(f"{owner}.{name}={value!r} is not allowed: expected {kind}" + (" or None" if allow_none else ""))
+
+
+def _fraction(owner: str, name: str, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+        raise ValueError(f"{owner}.{name}={value!r} is not allowed: expected a fraction in (0, 1]")
+
+
+@dataclass
+class QuantizerConfig:
+    """One tensor quantizer (a layer's input or its weight); becomes a :class:`QuantDescriptor`.
+
+    Attributes:
+        enabled: quantize this tensor at all (False: leave it in floating point).
+        format: ``"int"`` (integer grid of ``num_bits``) or ``"fp8_e4m3"``.
+        num_bits: integer bits, 2..16 (ignored for FP8).
+        axis: None for one amax per tensor, else the axes that keep their own amax
+            (``[0]``: per output channel of a Conv/Linear weight).
+        unsigned: unsigned range (non-negative data only, e.g. after ReLU).
+        narrow_range: signed range ``[-(2^(b-1)-1), 2^(b-1)-1]`` (TensorRT's choice for weights).
+        block_size: quantize in blocks of this many elements along ``block_axis``.
+        block_axis: the axis of the blocks.
+        block_type: ``"static"`` (calibrated block amax) or ``"dynamic"`` (from each input).
+        scale_bits: quantize the block amax too with this many bits (double quantization).
+        learn_amax: learn amax during QAT (PACT-style), per tensor only.
+        dynamic: compute amax from every input instead of calibrating.
+    """
+
+    enabled: bool = True
+    format: str = "int"
+    num_bits: int = 8
+    axis: Optional[List[int]] = None
+    unsigned: bool = False
+    narrow_range: bool = True
+    block_size: Optional[int] = None
+    block_axis: int = -1
+    block_type: str = "static"
+    scale_bits: Optional[int] = None
+    learn_amax: bool = False
+    dynamic: bool = False
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        _choice(owner, "format", self.format, FORMATS)
+        _choice(owner, "block_type", self.block_type, BLOCK_TYPES)
+        if self.axis is not None:
+            self.axis = [self.axis] if isinstance(self.axis, int) else list(self.axis)
+        _positive(owner, "block_size", self.block_size, allow_none=True)
+        self.to_descriptor()  # every combination QuantDescriptor rejects is rejected here, by name
+
+    def to_descriptor(self, name: Optional[str] = None) -> QuantDescriptor:
+        kwargs: Dict[str, Any] = dict(
+            num_bits=(4, 3) if self.format == "fp8_e4m3" else self.num_bits,
+            name=name,
+            unsigned=self.unsigned,
+            narrow_range=self.narrow_range,
+            learn_amax=self.learn_amax,
+            dynamic=self.dynamic,
+        )
+        if self.axis is not None:
+            kwargs["axis"] = tuple(self.axis) if len(self.axis) > 1 else self.axis[0]
+        if self.block_size is not None:
+            bs: Dict[Any, Any] = {self.block_axis: self.block_size, "type": self.block_type}
+            if self.scale_bits is not None:
+                bs["scale_bits"] = self.scale_bits
+            kwargs["block_sizes"] = bs
+        try:
+            return QuantDescriptor(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{type(self).__name__}: {e}") from None
+
+
+def _weight_per_channel() -> QuantizerConfig:
+    return QuantizerConfig(axis=[0])
+
+
+@dataclass
+class QuantConfig:
+    """Which layers are quantized and how (a recipe).
+
+    Attributes:
+        input: the quantizer of every quantized layer's input (activations).
+        weight: the quantizer of every quantized layer's weight.
+        include: module-name globs to quantize (``["*"]``: all supported layers).
+        exclude: module-name globs to leave in floating point (wins over include).
+        overrides: per-layer changes, ``{glob: {"input": {field: value}, "weight": {...}}}``.
+    """
+
+    input: QuantizerConfig = field(default_factory=QuantizerConfig)
+    weight: QuantizerConfig = field(default_factory=_weight_per_channel)
+    include: List[str] = field(default_factory=lambda: ["*"])
+    exclude: List[str] = field(default_factory=list)
+    overrides: Dict[str, Dict[str, Dict[str, Any]]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        self.input = _coerce(self.input, QuantizerConfig, f"{owner}.input")
+        self.weight = _coerce(self.weight, QuantizerConfig, f"{owner}.weight")
+        for name in ("include", "exclude"):
+            v = getattr(self, name)
+            if isinstance(v, str) or not all(isinstance(g, str) for g in v):
+                raise ValueError(f"{owner}.{name}={v!r} is not allowed: expected a list of module-name globs")
+            setattr(self, name, list(v))
+        for glob, per in self.overrides.items():
+            if not isinstance(per, dict) or not set(per) <= {"input", "weight"}:
+                raise ValueError(
+                    f"{owner}.overrides[{glob!r}]={per!r} is not allowed: expected {{'input': {{...}}, 'weight': {{...}}}}"
+                )
+            for role in per:
+                self.override_for(role, glob)
+
+    def override_for(self, role: str, glob: str) -> QuantizerConfig:
+        """The quantizer config of ``role`` with the override of ``glob`` applied."""
+        base = asdict(getattr(self, role))
+        changes = dict(self.overrides[glob][role] or {})
+        unknown = set(changes) - {f.name for f in fields(QuantizerConfig)}
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__}.overrides[{glob!r}][{role!r}] has unknown field(s) {sorted(unknown)}; "
+                f"allowed: {[f.name for f in fields(QuantizerConfig)]}"
+            )
+        base.update(changes)
+        return QuantizerConfig(**base)
+
+    def quantizer_for(self, layer: str, role: str) -> QuantizerConfig:
+        """The config of ``role`` ("input" or "weight") for the layer named ``layer`` (last matching override wins)."""
+        cfg = getattr(self, role)
+        for glob, per in self.overrides.items():
+            if role in per and fnmatch.fnmatchcase(layer, glob):
+                cfg = self.override_for(role, glob)
+        return cfg
+
+    def selects(self, layer: str) -> bool:
+        inc = any(fnmatch.fnmatchcase(layer, g) for g in self.include)
+        return inc and not any(fnmatch.fnmatchcase(layer, g) for g in self.exclude)
+
+
+@dataclass
+class Int8PerTensorConfig(QuantConfig):
+    """INT8, one amax per tensor for inputs and weights."""
+
+    weight: QuantizerConfig = field(default_factory=QuantizerConfig)
+
+
+@dataclass
+class Int8PerChannelConfig(QuantConfig):
+    """INT8 per-tensor inputs, per-output-channel weights (TensorRT's default recipe)."""
+
+
+@dataclass
+class FP8Config(QuantConfig):
+    """FP8 E4M3 inputs (per tensor) and weights (per channel)."""
+
+    input: QuantizerConfig = field(default_factory=lambda: QuantizerConfig(format="fp8_e4m3"))
+    weight: QuantizerConfig = field(default_factory=lambda: QuantizerConfig(format="fp8_e4m3", axis=[0]))
+
+
+@dataclass
+class Int4BlockWeightConfig(QuantConfig):
+    """Weight-only INT4 in blocks of 32 along the input features (inputs stay floating point)."""
+
+    input: QuantizerConfig = field(default_factory=lambda: QuantizerConfig(enabled=False))
+    weight: QuantizerConfig = field(
+        default_factory=lambda: QuantizerConfig(num_bits=4, block_size=32, block_axis=-1, block_type="static")
+    )
+
+
+RECIPES = {
+    "int8_per_tensor": Int8PerTensorConfig,
+    "int8_per_channel": Int8PerChannelConfig,
+    "fp8": FP8Config,
+    "int4_block_weight": Int4BlockWeightConfig,
+}
+
+
+@dataclass
+class CalibConfig:
+    """Calibration: how activation amax is chosen before QAT (or for PTQ alone).
+
+    Attributes:
+        enabled: run calibration (skipped anyway when a restored checkpoint holds amax).
+        method: ``max``, ``entropy`` (TensorRT's KL), ``percentile`` or ``mse``.
+        num_batches: batches of the calibration dataloader to collect.
+        dataloader: ``train`` or ``val``: which of the datamodule's loaders calibrates.
+        percentile: for ``method="percentile"``.
+        num_bins: histogram bins for the histogram methods.
+        weight_method: how weights get their amax (``max`` per channel is exact and cheap).
+        method_overrides: ``{layer glob: method}`` for layers that need another method.
+        skip_if_calibrated: keep amax already present (e.g. restored from a checkpoint).
+    """
+
+    enabled: bool = True
+    method: str = "max"
+    num_batches: int = 16
+    dataloader: str = "train"
+    percentile: float = 99.99
+    num_bins: int = 2048
+    weight_method: str = "max"
+    method_overrides: Dict[str, str] = field(default_factory=dict)
+    skip_if_calibrated: bool = True
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        _choice(owner, "method", self.method, CALIB_METHODS)
+        _choice(owner, "weight_method", self.weight_method, CALIB_METHODS)
+        _choice(owner, "dataloader", self.dataloader, CALIB_DATALOADERS)
+        if isinstance(self.num_batches, bool) or not isinstance(self.num_batches, int) or self.num_batches < 1:
+            raise ValueError(f"{owner}.num_batches={self.num_batches!r} is not allowed: expected an int >= 1")
+        if not isinstance(self.percentile, (int, float)) or not 0 < self.percentile <= 100:
+            raise ValueError(f"{owner}.percentile={self.percentile!r} is not allowed: expected a number in (0, 100]")
+        if isinstance(self.num_bins, bool) or not isinstance(self.num_bins, int) or self.num_bins < 16:
+            raise ValueError(f"{owner}.num_bins={self.num_bins!r} is not allowed: expected an int >= 16")
+        for glob, m in self.method_overrides.items():
+            _choice(owner, f"method_overrides[{glob!r}]", m, CALIB_METHODS)
+
+    def method_for(self, layer: str) -> str:
+        m = self.method
+        for glob, override in self.method_overrides.items():
+            if fnmatch.fnmatchcase(layer, glob):
+                m = override
+        return m
+
+    def compute_amax_kwargs(self, method: str) -> Dict[str, Any]:
+        return {"percentile": self.percentile} if method == "percentile" else {}
+
+
+@dataclass
+class QATConfig:
+    """Quantization-aware fine-tuning.
+
+    Attributes:
+        enabled: keep quantizers on while training (False: calibrate/export only).
+        learn_amax: make input amax a learned parameter (PACT-style clip); otherwise amax is frozen.
+        freeze_bn_epoch: from this epoch on, BatchNorm uses and keeps its running statistics.
+        freeze_amax_epoch: from this epoch on, learned amax stops changing.
+        lr_policy: ``none`` (keep the module's schedule) or ``cosine`` (the reference toolkit's recipe:
+            start at ``lr_start_fraction`` of the configured LR, cosine-anneal to ``lr_end_fraction`` of that).
+        lr_start_fraction: fraction of the original LR that QAT starts at (default 1%).
+        lr_end_fraction: fraction of the starting QAT LR that it ends at (default 1%).
+    """
+
+    enabled: bool = True
+    learn_amax: bool = False
+    freeze_bn_epoch: Optional[int] = None
+    freeze_amax_epoch: Optional[int] = None
+    lr_policy: str = "none"
+    lr_start_fraction: float = 0.01
+    lr_end_fraction: float = 0.01
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        _choice(owner, "lr_policy", self.lr_policy, LR_POLICIES)
+        _fraction(owner, "lr_start_fraction", self.lr_start_fraction)
+        _fraction(owner, "lr_end_fraction", self.lr_end_fraction)
+        for name in ("freeze_bn_epoch", "freeze_amax_epoch"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{owner}.{name}={v!r} is not allowed: expected None or an epoch number >= 0")
+
+
+@dataclass
+class ExportConfig:
+    """ONNX export at the end of fit.
+
+    Attributes:
+        enabled: export at ``on_fit_end`` (rank zero).
+        path: output file; relative paths go under the trainer's ``default_root_dir``.
+        opset: ONNX opset (>= 13 for per-channel axis, >= 19 for FP8, >= 21 for blocks).
+        exporter: ``dynamo`` (the current torch.onnx exporter) or ``legacy`` (TorchScript based).
+        fold_bn: fold BatchNorm into the preceding conv/linear in the exported copy.
+        verify: run the exported model in onnxruntime on a sample batch and compare with PyTorch.
+        tolerance: largest allowed max-abs difference between onnxruntime and PyTorch outputs.
+    """
+
+    enabled: bool = True
+    path: str = "model_int8.onnx"
+    opset: int = 17
+    exporter: str = "dynamo"
+    fold_bn: bool = True
+    verify: bool = True
+    tolerance: float = 0.1
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        _choice(owner, "exporter", self.exporter, EXPORTERS)
+        if isinstance(self.opset, bool) or not isinstance(self.opset, int) or not 13 <= self.opset <= 23:
+            raise ValueError(f"{owner}.opset={self.opset!r} is not allowed: expected an int in [13, 23]")
+        _positive(owner, "tolerance", self.tolerance)
+        if not isinstance(self.path, str) or not self.path.endswith(".onnx"):
+            raise ValueError(f"{owner}.path={self.path!r} is not allowed: expected a file name ending in .onnx")
+
+
+def _coerce(value, cls, where: str):
+    """Accept a dataclass instance or a mapping of its fields (Hydra/CLI give mappings)."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict) or hasattr(value, "items"):
+        data = dict(value.items())
+        allowed = {f.name for f in fields(cls)}
+        unknown = set(data) - allowed
+        if unknown:
+            raise ValueError(f"{where} has unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+        return cls(**data)
+    raise ValueError(f"{where} must be a {cls.__name__} or a mapping of its fields, got {type(value).__name__}")
+
+
+def coerce(value, cls, where: str):
+    """Public form of :func:`_coerce`: ``None`` gives the defaults."""
+    return cls() if value is None else _coerce(value, cls, where)
+
+
+@dataclass
+class JobConfig:
+    """The ``lq-train`` job: train FP32, calibrate (PTQ), fine-tune (QAT), export, evaluate in onnxruntime.
+
+    Attributes:
+        quant, calib, qat, export: the callback suite's configs.
+        trainer: keyword arguments of ``lightning.Trainer`` (``max_epochs`` is set per phase).
+        model: ``_target_`` and arguments of a LightningModule.
+        data: ``_target_`` and arguments of a LightningDataModule.
+        seed: seeds everything (data split, init, shuffling).
+        fp32_epochs: epochs of floating point training before quantization (0: use the model as built).
+        qat_epochs: epochs of quantization-aware fine-tuning (0: PTQ only).
+        output_dir: where checkpoints, the ONNX files and the results table go.
+    """
+
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    calib: CalibConfig = field(default_factory=CalibConfig)
+    qat: QATConfig = field(default_factory=QATConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    trainer: Dict[str, Any] = field(default_factory=dict)
+    model: Dict[str, Any] = field(default_factory=lambda: {"_target_": "lq.zoo.SmallCNN"})
+    data: Dict[str, Any] = field(default_factory=lambda: {"_target_": "lq.zoo.DigitsDataModule"})
+    seed: int = 0
+    fp32_epochs: int = 8
+    qat_epochs: int = 3
+    output_dir: str = "outputs"
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        self.quant = _coerce(self.quant, QuantConfig, f"{owner}.quant")
+        self.calib = _coerce(self.calib, CalibConfig, f"{owner}.calib")
+        self.qat = _coerce(self.qat, QATConfig, f"{owner}.qat")
+        self.export = _coerce(self.export, ExportConfig, f"{owner}.export")
+        for name in ("fp32_epochs", "qat_epochs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{owner}.{name}={v!r} is not allowed: expected an int >= 0")
+        for name in ("model", "data"):
+            if "_target_" not in getattr(self, name):
+                raise ValueError(f"{owner}.{name} needs a _target_ (the class to build), got {getattr(self, name)!r}")
+
+
+def register_configs() -> None:
+    """Put the dataclasses in Hydra's ConfigStore; ``conf/`` presets extend them by name."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="job_schema", node=JobConfig)
+    for name, cls in RECIPES.items():
+        cs.store(group="schema/quant", name=name, node=cls)
+    cs.store(group="schema", name="calib", node=CalibConfig)
+    cs.store(group="schema", name="qat", node=QATConfig)
+    cs.store(group="schema", name="export", node=ExportConfig)
