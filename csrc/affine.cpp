@@ -1,0 +1,73 @@
+// Affine (scale + zero point, gemmlowp-style) fake quantization on CPU:
+// lq::fake_affine_quant and its clipped STE backward lq::fake_affine_quant_backward.
+//
+// step = (max_range - min_range) / (2^num_bits - 1), zp = round(min_range / step) - min_bound,
+// q = clamp(round(x / step) - zp, min_bound, max_bound), out = (q + zp) * step (float32).
+#include <torch/library.h>
+
+#include "common.h"
+#include "cpu_elementwise.h"
+
+namespace lq {
+namespace cpu {
+namespace {
+
+struct AffineOp {  // p[0] = step, p[1] = zero point
+  float lo, hi;
+  Vec vlo, vhi;
+  AffineOp(float lo_, float hi_) : lo(lo_), hi(hi_), vlo(lo_), vhi(hi_) {}
+  float operator()(float x, const float* p) const {
+    const float q = clamp_f(round_f(x / p[0]) - p[1], lo, hi);
+    return (q + p[1]) * p[0];
+  }
+  Vec operator()(const Vec& x, const Vec* p) const {
+    const Vec q = clamp_v((x / p[0]).round() - p[1], vlo, vhi);
+    return (q + p[1]) * p[0];
+  }
+};
+
+struct RangeOp {  // inside [p[0], p[1]], inclusive; NaN is outside
+  bool inside(float x, const float* p) const { return x >= p[0] && x <= p[1]; }
+  Vec inside(const Vec& x, const Vec* p) const { return (x >= p[0]) & (x <= p[1]); }
+};
+
+at::Tensor fake_affine_quant_cpu(const at::Tensor& x, const at::Tensor& min_range, const at::Tensor& max_range,
+                                 int64_t num_bits) {
+  check_input(x);
+  check_num_bits(num_bits, false);
+  check_amax_shape(x, min_range, "min_range");
+  check_amax_shape(x, max_range, "max_range");
+  const at::Tensor lo = amax_as_float(min_range), hi = amax_as_float(max_range);
+  // The parameters, with the same ATen ops (so the same roundings) as the reference.
+  const double levels = static_cast<double>((int64_t{1} << num_bits) - 1);
+  const double min_bound = -static_cast<double>(int64_t{1} << (num_bits - 1));
+  const double max_bound = static_cast<double>((int64_t{1} << (num_bits - 1)) - 1);
+  const at::Tensor step = ((hi - lo) / levels).contiguous();
+  const at::Tensor zp = (at::round(lo / step) - min_bound).contiguous();
+  at::Tensor out = at::empty_like(x);
+  if (x.numel() == 0) return out;
+  auto iter = make_iter(out, {x, step, zp});
+  AffineOp op(static_cast<float>(min_bound), static_cast<float>(max_bound));
+  dispatch_float(x.scalar_type(), "inputs", [&](auto tag) {
+    using T = decltype(tag);
+    run_unary<T, 2, false>(iter, op);
+  });
+  return out;
+}
+
+at::Tensor fake_affine_quant_backward_cpu(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& min_range,
+                                          const at::Tensor& max_range) {
+  check_input(x);
+  check_amax_shape(x, min_range, "min_range");
+  check_amax_shape(x, max_range, "max_range");
+  return mask_kernel<2>(grad, x, {amax_as_float(min_range), amax_as_float(max_range)}, RangeOp{});
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace lq
+
+TORCH_LIBRARY_IMPL(lq, CPU, m) {
+  m.impl("fake_affine_quant", &lq::cpu::fake_affine_quant_cpu);
+  m.impl("fake_affine_quant_backward", &lq::cpu::fake_affine_quant_backward_cpu);
+}

@@ -1,0 +1,491 @@
+"""Histogram calibrator: entropy (TensorRT KL divergence), MSE and percentile amax.
+
+Collection
+----------
+Each batch is binned by ``torch.ops.lq.abs_histogram`` (one pass: counts,
+finite absmax and the number of NaN/Inf, per tensor or per channel). The
+histogram covers ``[0, range)`` with ``num_bins`` bins, and ``range`` is always
+``num_bins * 2^k``: the smallest such value strictly above the absmax seen so
+far. When a batch exceeds the range, the range grows to the next such value
+and the existing counts are re-binned by merging ``2^j`` adjacent bins, which
+is exact (bin edges of the two grids coincide, and scaling by a power of two
+is exact in floating point). Consequences:
+
+* memory is bounded (``num_bins`` bins, whatever the outliers);
+* the histogram depends only on the data, not on the batch order: collecting
+  A then B, or A and B in two calibrators then :meth:`merge`, or A and B on two
+  ranks then :meth:`sync`, give bit-identical counts.
+
+(The reference toolkit instead keeps the first batch's bin width and appends
+bins; that grid depends on which batch came first and cannot be merged exactly.)
+
+amax methods
+------------
+:meth:`HistogramCalibrator.compute_amax` (and the module-level functions
+:func:`compute_amax_entropy`, :func:`compute_amax_mse`,
+:func:`compute_amax_percentile`) evaluate all candidate bins at once with
+tensor ops (chunked to bound memory), on the histogram's device, per tensor or
+per channel. Candidates and tie-breaking follow the reference toolkit:
+entropy tries ``amax = edges[i]`` for ``i in range(start_bin, num_bins + 1, stride)``
+and takes the last minimum; MSE tries ``amax = centers[i]`` for
+``i in range(start_bin, num_bins, stride)`` and takes the first minimum;
+percentile takes the right edge of the bin where the CDF reaches ``percentile``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from lq import _checks, _reference
+from lq.calib.calibrator import _Calibrator, _comm_device, _dist_ready, _gather_objects
+
+__all__ = [
+    "HistogramCalibrator",
+    "calibrate_weights",
+    "compute_amax_entropy",
+    "compute_amax_mse",
+    "compute_amax_percentile",
+    "pow2_range",
+]
+
+HIST_METHODS = ("entropy", "mse", "percentile", "max")
+_CHUNK_ELEMS = 1 << 22  # elements per vectorized chunk (x8 bytes in float64)
+
+
+# ====================================================================== grid
+def pow2_range(absmax: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """Smallest ``num_bins * 2^k`` strictly greater than ``absmax`` (float32; 0 where absmax is 0)."""
+    a = absmax.double()
+    safe = torch.where(a > 0, a, torch.ones_like(a))
+    w = torch.exp2(torch.floor(torch.log2(safe / num_bins)))
+    w = torch.where(num_bins * w > safe, w, w * 2)
+    w = torch.where(num_bins * (w / 2) > safe, w / 2, w)
+    r = (num_bins * w).float()
+    return torch.where(a > 0, r, torch.zeros_like(r))
+
+
+def _rebin(counts: torch.Tensor, old_range: torch.Tensor, new_range: torch.Tensor) -> torch.Tensor:
+    """Counts ``(C, N)`` on ranges ``old_range`` re-binned exactly onto ``new_range`` (both ``N * 2^k`` or 0)."""
+    C, N = counts.shape
+    old = old_range.double().reshape(C, 1)
+    new = new_range.double().reshape(C, 1)
+    ratio = torch.where(new > 0, old / torch.where(new > 0, new, torch.ones_like(new)), torch.ones_like(new))
+    j = torch.arange(N, device=counts.device, dtype=torch.float64).reshape(1, N)
+    idx = torch.floor(j * ratio).long().clamp_(0, N - 1)
+    out = torch.zeros_like(counts)
+    out.scatter_add_(1, idx, counts)
+    return out
+
+
+# ====================================================================== amax methods (vectorized)
+def _as_2d(counts: torch.Tensor, width) -> tuple[torch.Tensor, torch.Tensor]:
+    counts = counts.double()
+    if counts.dim() == 1:
+        counts = counts.unsqueeze(0)
+    width = torch.as_tensor(width, dtype=torch.float64, device=counts.device).reshape(-1)
+    if width.numel() == 1 and counts.shape[0] != 1:
+        width = width.expand(counts.shape[0])
+    return counts, width
+
+
+def compute_amax_entropy(counts, width, num_bits=8, unsigned=False, stride=1, start_bin=128) -> torch.Tensor:
+    """amax minimizing TensorRT's KL divergence, for every row of ``counts`` at once.
+
+    Args:
+        counts: ``(N,)`` or ``(C, N)`` histogram of ``|x|`` with bins ``[j * width, (j + 1) * width)``.
+        width: bin width, a scalar or ``(C,)``.
+
+    For candidate ``i`` the reference distribution is ``counts[:i]`` with the
+    tail ``counts[i:]`` added to bin ``i - 1``; the candidate distribution
+    merges bin ``j`` into quantized bin ``floor(j * nbins / i)``
+    (``nbins = 2^(num_bits - 1 + unsigned)``) and spreads each group's count
+    evenly over its non-empty bins. Both use ``counts[0] := counts[1]``. All
+    candidates are evaluated together from prefix sums:
+    ``KL = sum P log P - sum P log Q`` with group sums from cumulative counts.
+    Returns float64 amax, ``(C,)`` (or a scalar for 1-D ``counts``).
+    """
+    squeeze = torch.as_tensor(counts).dim() == 1
+    b, w = _as_2d(torch.as_tensor(counts), width)
+    C, N = b.shape
+    dev = b.device
+    b = b.clone()
+    if N > 1:
+        b[:, 0] = b[:, 1]
+    nb = 1 << (num_bits - 1 + int(unsigned))
+    cand = torch.arange(start_bin, N + 1, stride, device=dev)
+    if cand.numel() == 0:
+        raise ValueError(f"no entropy candidates: start_bin={start_bin} must be <= num_bins={N}")
+    T = b.sum(1, keepdim=True)
+    zero = torch.zeros(C, 1, dtype=torch.float64, device=dev)
+    cs = torch.cat([zero, b.cumsum(1)], 1)
+    cn = torch.cat([zero, (b > 0).double().cumsum(1)], 1)
+    cbl = torch.cat([zero, torch.where(b > 0, b * torch.log(torch.where(b > 0, b, 1.0)), 0.0).cumsum(1)], 1)
+    logT = torch.log(torch.where(T > 0, T, torch.ones_like(T)))
+    Tsafe = torch.where(T > 0, T, torch.ones_like(T))
+    g = torch.arange(nb + 1, device=dev)
+    kl_parts = []
+    step = max(1, _CHUNK_ELEMS // max(1, C * (nb + 1)))
+    for k0 in range(0, cand.numel(), step):
+        ci = cand[k0:k0 + step]  # (K,)
+        E = (g.reshape(1, -1) * ci.reshape(-1, 1) + nb - 1) // nb  # (K, nb+1) group starts; E[:, nb] == ci
+        S = cs[:, E].diff(dim=2)  # (C, K, nb)
+        M = cn[:, E].diff(dim=2)
+        ratio = torch.where(S > 0, S / torch.where(M > 0, M, 1.0), 1.0)
+        A = (S * torch.log(ratio)).sum(2)  # sum_g S_g log(S_g / M_g)
+        last = ci - 1
+        Bi = cs[:, ci]
+        tail = T - Bi
+        b_last = b[:, last]
+        g_last = (last * nb) // ci
+        S_last = S.gather(2, g_last.reshape(1, -1, 1).expand(C, -1, 1)).squeeze(2)
+        M_last = M.gather(2, g_last.reshape(1, -1, 1).expand(C, -1, 1)).squeeze(2)
+        Bsafe = torch.where(Bi > 0, Bi, torch.ones_like(Bi))
+        logBi = torch.log(Bsafe)
+        logQ_last = torch.log(torch.where(S_last > 0, S_last / torch.where(M_last > 0, M_last, 1.0), 1.0)) - logBi
+        sum_plogq = (A - Bi * logBi) / Tsafe + torch.where(tail > 0, tail / Tsafe * logQ_last, 0.0)
+        p_last = (b_last + tail) / Tsafe
+        sum_plogp = (cbl[:, last] - cs[:, last] * logT) / Tsafe + torch.where(
+            p_last > 0, p_last * torch.log(torch.where(p_last > 0, p_last, 1.0)), 0.0)
+        kl = sum_plogp - sum_plogq
+        bad = (Bi <= 0) | ((tail > 0) & (b_last <= 0))
+        kl_parts.append(torch.where(bad, torch.full_like(kl, math.inf), kl))
+    kl = torch.cat(kl_parts, 1)  # (C, K)
+    K = kl.shape[1]
+    best = K - 1 - torch.argmin(kl.flip(1), dim=1)  # last minimum
+    amax = cand[best].double() * w
+    amax = torch.where(T.squeeze(1) > 0, amax, torch.zeros_like(amax))
+    return amax[0] if squeeze else amax
+
+
+def _fake_quant_rows(c: torch.Tensor, amax: torch.Tensor, num_bits, unsigned: bool) -> torch.Tensor:
+    """``fake_tensor_quant(c, amax)`` for every candidate amax: ``c (..., 1, M)`` x ``amax (..., K, 1)``."""
+    if num_bits == (4, 3):
+        return _reference.scaled_e4m3(c, amax)
+    return _reference.fake_quant(c, amax, num_bits, unsigned, True)
+
+
+def compute_amax_mse(counts, width, num_bits=8, unsigned=False, stride=1, start_bin=128) -> torch.Tensor:
+    """amax minimizing the histogram-weighted squared fake-quantization error of the bin centers.
+
+    Candidates ``amax = centers[i]``, ``i in range(start_bin, N, stride)``;
+    error of every center under every candidate at once (chunked), in the
+    same float32 arithmetic as ``fake_tensor_quant`` (or ``scaled_e4m3`` for
+    ``num_bits=(4, 3)``), weighted sums in float64. First minimum wins.
+    """
+    squeeze = torch.as_tensor(counts).dim() == 1
+    b, w = _as_2d(torch.as_tensor(counts), width)
+    C, N = b.shape
+    dev = b.device
+    cand = torch.arange(start_bin, N, stride, device=dev)
+    if cand.numel() == 0:
+        raise ValueError(f"no mse candidates: start_bin={start_bin} must be < num_bins={N}")
+    # centers (2j + 1) * w / 2, exact in float32 like (edges[1:] + edges[:-1]) / 2
+    half_w = (w / 2).float().reshape(C, 1)
+    # keep only the bins that hold data (padded per row; padding has weight 0)
+    nz = b > 0
+    M = max(1, int(nz.sum(1).max()))
+    order = torch.argsort((~nz).to(torch.int8), dim=1, stable=True)[:, :M]  # non-empty bins first
+    weights = b.gather(1, order)  # (C, M) float64
+    centers = (2 * order + 1).float() * half_w  # (C, M) float32
+    amax_c = (2 * cand + 1).float().reshape(1, -1) * half_w  # (C, K) float32
+    out = torch.empty(C, cand.numel(), dtype=torch.float64, device=dev)
+    rows = max(1, _CHUNK_ELEMS // max(1, cand.numel() * M))
+    kstep = cand.numel() if rows >= 1 else 1
+    for c0 in range(0, C, rows):
+        c1 = min(C, c0 + rows)
+        cc = centers[c0:c1].unsqueeze(1)  # (c, 1, M)
+        for k0 in range(0, cand.numel(), kstep):
+            a = amax_c[c0:c1, k0:k0 + kstep].unsqueeze(2)  # (c, k, 1)
+            err = _fake_quant_rows(cc, a, num_bits, unsigned) - cc  # (c, k, M) float32
+            out[c0:c1, k0:k0 + kstep] = torch.einsum("ckm,cm->ck", err.double().square_(), weights[c0:c1])
+    best = torch.argmin(out, dim=1)  # first minimum
+    amax = amax_c.double().gather(1, best.reshape(-1, 1)).squeeze(1)
+    amax = torch.where(b.sum(1) > 0, amax, torch.zeros_like(amax))
+    return amax[0] if squeeze else amax
+
+
+def compute_amax_percentile(counts, width, percentile=99.99) -> torch.Tensor:
+    """Right edge of the first bin where the CDF of ``counts`` reaches ``percentile`` %."""
+    squeeze = torch.as_tensor(counts).dim() == 1
+    b, w = _as_2d(torch.as_tensor(counts), width)
+    C, N = b.shape
+    total = b.sum(1, keepdim=True)
+    cdf = b.cumsum(1) / torch.where(total > 0, total, torch.ones_like(total))
+    target = torch.full((C, 1), percentile / 100.0, dtype=torch.float64, device=b.device)
+    idx = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=N - 1)
+    amax = (idx + 1).double() * w
+    amax = torch.where(total.squeeze(1) > 0, amax, torch.zeros_like(amax))
+    return amax[0] if squeeze else amax
+
+
+# ====================================================================== calibrator
+class HistogramCalibrator(_Calibrator):
+    """Histogram calibrator (entropy, mse, percentile; "max" gives the exact absmax).
+
+    Args:
+        num_bits: bits of the quantization (an int or ``(4, 3)``; entropy needs an int).
+        axis: None (per tensor) or the axis / axes that keep their own amax (one histogram per channel).
+        unsigned: unsigned quantization.
+        num_bins: bins of the histogram. Default 2048.
+        grow_method: deprecated in the reference toolkit and ignored here (the grid is described in the module doc).
+        skip_zeros: leave exact zeros out of the histogram.
+        torch_hist: accepted for compatibility; collection always runs ``torch.ops.lq.abs_histogram``
+            on the input's device.
+    """
+
+    def __init__(self, num_bits=8, axis=None, unsigned=False, num_bins=2048, grow_method=None, skip_zeros=False,
+                 torch_hist=True):
+        super().__init__(num_bits, axis, unsigned)
+        if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 2:
+            raise ValueError(f"num_bins must be an int >= 2, got {num_bins!r}")
+        if grow_method is not None:
+            warnings.warn(f"grow_method={grow_method!r} is deprecated and ignored", DeprecationWarning, stacklevel=2)
+        self._num_bins = num_bins
+        self._skip_zeros = bool(skip_zeros)
+        self._torch_hist = bool(torch_hist)
+        self.add_state("_counts", None, "custom")  # int64 (C, N); C = 1 per tensor
+        self.add_state("_range", None, "custom")  # float32 (C,)
+        self.add_state("_absmax", None, "custom")  # float32 (C,), finite absmax
+        self.add_state("_amax_shape", None, "custom")  # broadcast shape of the amax
+
+    def _config(self) -> dict:
+        cfg = super()._config()
+        cfg.update(num_bins=self._num_bins, skip_zeros=self._skip_zeros)
+        return cfg
+
+    @property
+    def has_data(self) -> bool:
+        return self._counts is not None
+
+    @property
+    def num_bins(self) -> int:
+        return self._num_bins
+
+    # --- the reference toolkit's attribute names
+    @property
+    def _calib_hist(self):
+        """Counts: ``(num_bins,)`` per tensor, ``(C, num_bins)`` per channel (None before data)."""
+        if self._counts is None:
+            return None
+        return self._counts[0] if self._axis is None else self._counts
+
+    @property
+    def _calib_bin_edges(self):
+        """Bin edges: ``(num_bins + 1,)`` per tensor, ``(C, num_bins + 1)`` per channel (None before data)."""
+        if self._counts is None:
+            return None
+        j = torch.arange(self._num_bins + 1, device=self._range.device, dtype=torch.float32)
+        edges = j.reshape(1, -1) * (self._range / self._num_bins).reshape(-1, 1)
+        return edges[0] if self._axis is None else edges
+
+    @property
+    def bin_width(self) -> torch.Tensor | None:
+        """Bin width (float32, ``()`` per tensor or ``(C,)``)."""
+        if self._range is None:
+            return None
+        wdt = self._range / self._num_bins
+        return wdt[0] if self._axis is None else wdt
+
+    def _channel_view(self, x: torch.Tensor):
+        """``(tensor, axis for abs_histogram, amax broadcast shape)``."""
+        if self._axis is None:
+            return x, None, []
+        axes = self._axis if isinstance(self._axis, tuple) else (self._axis,)
+        keep = sorted({_checks.normalize_axis(a, x.dim()) for a in axes})
+        shape = [x.shape[d] if d in keep else 1 for d in range(x.dim())]
+        if len(keep) == 1:
+            return x, keep[0], shape
+        rest = [d for d in range(x.dim()) if d not in keep]
+        xc = x.permute(keep + rest).reshape(math.prod(x.shape[d] for d in keep), -1)
+        return xc, 0, shape
+
+    @torch.no_grad()
+    def collect(self, x: torch.Tensor) -> None:
+        """Add ``|x|`` to the histogram (one ``abs_histogram`` pass; a second one only when the range grows)."""
+        self._check_input(x)
+        x = x.detach()
+        if x.numel() == 0:
+            return
+        xc, axis, shape = self._channel_view(x)
+        C = 1 if axis is None else xc.shape[axis]
+        if self._counts is None:
+            self._counts = torch.zeros(C, self._num_bins, dtype=torch.int64, device=x.device)
+            self._range = torch.zeros(C, dtype=torch.float32, device=x.device)
+            self._absmax = torch.zeros(C, dtype=torch.float32, device=x.device)
+            self._amax_shape = shape
+        elif self._counts.shape[0] != C or list(shape) != list(self._amax_shape):
+            raise RuntimeError(
+                f"HistogramCalibrator: amax shape changed from {tuple(self._amax_shape)} to {tuple(shape)} "
+                f"(axis={self._axis}); per-channel calibration needs the same channel count in every batch"
+            )
+        rng = self._range.to(x.device)
+        counts, absmax, nonfinite = self._hist(xc, rng, axis)
+        grow = (absmax >= rng) & (absmax > 0)
+        if bool(grow.any()):
+            new_rng = torch.where(grow, pow2_range(absmax, self._num_bins), rng)
+            self._counts = _rebin(self._counts, self._range, new_rng.to(self._counts.device))
+            self._range = new_rng.to(self._range.device)
+            counts, absmax, nonfinite = self._hist(xc, new_rng, axis)
+        if self._skip_zeros:
+            zeros = (xc == 0)
+            nzero = zeros.sum() if axis is None else zeros.sum(dim=[d for d in range(xc.dim()) if d != axis])
+            counts[:, 0] -= nzero.reshape(-1).to(counts.device)
+        self._counts += counts.to(self._counts.device)
+        self._absmax = torch.maximum(self._absmax, absmax.to(self._absmax.device))
+        self._note_nonfinite(int(nonfinite.sum()))
+
+    def _hist(self, xc, rng, axis):
+        r = rng[0] if axis is None else rng
+        counts, absmax, nonfinite = torch.ops.lq.abs_histogram(xc, r, self._num_bins, axis)
+        return counts.reshape(-1, self._num_bins), absmax.reshape(-1), nonfinite.reshape(-1)
+
+    def reset(self) -> None:
+        super().reset()
+
+    # ------------------------------------------------------------------ amax
+    def compute_amax(self, method=None, *, stride=1, start_bin=128, percentile=99.99):
+        """amax by ``method`` ("entropy", "mse", "percentile", or "max" for the exact absmax).
+
+        Returns a float32 tensor with the quantization's broadcast shape
+        (``()`` per tensor), or None when no data was collected.
+        """
+        if method is None:
+            raise ValueError(f"HistogramCalibrator.compute_amax needs a method: one of {HIST_METHODS}")
+        if method not in HIST_METHODS:
+            raise ValueError(f"calibration method {method!r} is not supported: one of {HIST_METHODS}")
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"stride must be a positive int, got {stride!r}")
+        if isinstance(start_bin, bool) or not isinstance(start_bin, int) or not 0 <= start_bin < self._num_bins:
+            raise ValueError(f"start_bin must be an int in [0, {self._num_bins}), got {start_bin!r}")
+        if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
+            raise ValueError(f"percentile must be in (0, 100], got {percentile!r}")
+        if self._counts is None:
+            return None
+        width = self._range.double() / self._num_bins
+        if method == "max":
+            amax = self._absmax.double()
+        elif method == "entropy":
+            if self._num_bits == (4, 3):
+                raise ValueError("entropy calibration needs integer num_bits; use 'mse' or 'percentile' for FP8")
+            amax = compute_amax_entropy(self._counts, width, self._num_bits, self._unsigned, stride, start_bin)
+        elif method == "mse":
+            amax = compute_amax_mse(self._counts, width, self._num_bits, self._unsigned, stride, start_bin)
+        else:
+            amax = compute_amax_percentile(self._counts, width, percentile)
+        amax = amax.float()
+        return amax.reshape(self._amax_shape) if self._axis is not None else amax.reshape(())
+
+    # ------------------------------------------------------------------ merge / sync
+    def _merge_custom(self, other: "HistogramCalibrator") -> None:
+        if other._counts is None:
+            return
+        if self._counts is None:
+            self._counts = other._counts.clone()
+            self._range = other._range.clone()
+            self._absmax = other._absmax.clone()
+            self._amax_shape = list(other._amax_shape)
+            return
+        if self._counts.shape != other._counts.shape or list(self._amax_shape) != list(other._amax_shape):
+            raise ValueError(f"cannot merge histograms of shapes {tuple(self._counts.shape)} and "
+                             f"{tuple(other._counts.shape)} (amax shapes {self._amax_shape} / {other._amax_shape})")
+        dev = self._counts.device
+        o_rng = other._range.to(dev)
+        rng = torch.maximum(self._range, o_rng)
+        self._counts = _rebin(self._counts, self._range, rng) + _rebin(other._counts.to(dev), o_rng, rng)
+        self._range = rng
+        self._absmax = torch.maximum(self._absmax, other._absmax.to(dev))
+
+    def _sync_custom(self, process_group) -> None:
+        dist = torch.distributed
+        meta = None if self._counts is None else (tuple(self._counts.shape), tuple(self._amax_shape))
+        metas = [m for m in _gather_objects(meta, process_group) if m is not None]
+        if not metas:
+            return
+        if len(set(metas)) != 1:
+            raise ValueError(f"cannot sync histograms across ranks: shapes differ {metas}")
+        (C, N), amax_shape = metas[0]
+        dev = _comm_device(self._counts, process_group)
+        home = self._counts.device if self._counts is not None else torch.device("cpu")
+        if self._counts is None:
+            counts = torch.zeros(C, N, dtype=torch.int64, device=dev)
+            rng = torch.zeros(C, dtype=torch.float32, device=dev)
+            absmax = torch.zeros(C, dtype=torch.float32, device=dev)
+        else:
+            counts, rng, absmax = self._counts.to(dev), self._range.to(dev), self._absmax.to(dev)
+        # 1. agree on the range (identical bin edges everywhere), 2. re-bin exactly, 3. sum the counts
+        new_rng = rng.clone()
+        dist.all_reduce(new_rng, op=dist.ReduceOp.MAX, group=process_group)
+        counts = _rebin(counts, rng, new_rng)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=process_group)
+        absmax = absmax.clone()
+        dist.all_reduce(absmax, op=dist.ReduceOp.MAX, group=process_group)
+        self._counts, self._range, self._absmax = counts.to(home), new_rng.to(home), absmax.to(home)
+        self._amax_shape = list(amax_shape)
+
+    def __repr__(self) -> str:
+        s = super().__repr__()[:-1]
+        if self._range is not None:
+            s += f", range={_fmt(self._range)}"
+        return s + ")"
+
+
+def _fmt(t: torch.Tensor) -> str:
+    return f"{float(t):.4g}" if t.numel() == 1 else f"[{float(t.min()):.4g}, {float(t.max()):.4g}]"
+
+
+# ====================================================================== calibrate_weights
+def calibrate_weights(model, method="percentile", perchannel=True, percentile=99.99, num_bins=2048):
+    """Calibrate the weight quantizers of ``model`` from the weights themselves.
+
+    Every TensorQuantizer whose name ends in ``weight_quantizer`` gets the
+    amax of its parent module's ``weight``: per output channel (axis 0, axis 1
+    for transposed convolutions, or the quantizer's own axis) when
+    ``perchannel``, else per tensor. ``method``: "max", "entropy", "mse" or
+    "percentile". Returns ``{name: amax}``.
+    """
+    from torch import nn
+
+    from lq.nn.modules.tensor_quantizer import TensorQuantizer
+
+    if method not in HIST_METHODS:
+        raise ValueError(f"calibrate_weights: method {method!r} is not supported: one of {HIST_METHODS}")
+    modules = dict(model.named_modules())
+    out = {}
+    for name, q in modules.items():
+        if not isinstance(q, TensorQuantizer) or not name.endswith("weight_quantizer"):
+            continue
+        parent_name = name.rsplit(".", 1)[0] if "." in name else ""
+        parent = modules[parent_name]
+        weight = getattr(parent, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            raise ValueError(f"calibrate_weights: {name} has no weight tensor on its module {parent_name or 'model'}")
+        if perchannel and not q.learn_amax and q.block_sizes is None:
+            if q.axis is not None:
+                axis = q.axis
+            else:
+                axis = 1 if isinstance(parent, nn.modules.conv._ConvTransposeNd) else 0
+        else:
+            axis = None
+        w = weight.detach()
+        if method == "max":
+            from lq.calib.max import MaxCalibrator
+
+            cal = MaxCalibrator(q.num_bits, axis, q.unsigned)
+            cal.collect(w)
+            amax = cal.compute_amax()
+        else:
+            cal = HistogramCalibrator(q.num_bits, axis, q.unsigned, num_bins=num_bins)
+            cal.collect(w)
+            amax = cal.compute_amax(method, percentile=percentile)
+        if amax is None:
+            continue
+        q.name = q._name or name
+        if q.amax is not None and tuple(q.amax.shape) != tuple(amax.shape) and not q.learn_amax:
+            q.amax = None
+        q._set_amax(amax, allow_reshape=True)
+        q._axis = axis if axis is not None else (q.axis if amax.numel() > 1 else None)
+        out[name] = q.amax
+    return out

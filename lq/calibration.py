@@ -1,0 +1,217 @@
+"""Calibrate a whole model: collect statistics over batches, reduce them across processes, set amax.
+
+This is the engine behind :class:`lq.callbacks.QuantCalibrate` and the
+plain-PyTorch entry point :func:`calibrate_model`. It knows nothing about
+Lightning: it takes an iterable of batches and a function that runs the
+model on one batch.
+
+Every quantizer gets the calibrator its method needs (``max`` for the max
+method, a histogram for entropy / percentile / mse); the model runs in eval
+mode under ``no_grad`` with quantization off and collection on; under
+``torch.distributed`` each calibrator's state is reduced across ranks (max:
+all-reduce MAX; histograms: shared range, summed counts) so every rank ends
+with the same amax. Switches and train/eval mode are restored in
+``finally`` whatever happens, and amax is only written once every quantizer
+has data, so an error never leaves a model half-calibrated.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lq.nn.modules.tensor_quantizer import TensorQuantizer, iter_quantizers, name_quantizers
+
+HISTOGRAM_METHODS = ("entropy", "percentile", "mse")
+METHODS = ("max",) + HISTOGRAM_METHODS
+
+
+class CalibrationError(RuntimeError):
+    """Calibration could not produce amax (no batches, or quantizers that saw no data)."""
+
+
+def default_forward(model: nn.Module, batch: Any) -> Any:
+    """Run ``model`` on ``batch`` the way most training code does.
+
+    A LightningModule with a ``calibration_step(batch)`` method decides itself;
+    otherwise a tuple/list batch feeds its first element (``(inputs, target)``),
+    a mapping is passed as keyword arguments, anything else is passed as is.
+    """
+    step = getattr(model, "calibration_step", None)
+    if callable(step):
+        return step(batch)
+    if isinstance(batch, (list, tuple)):
+        return model(batch[0])
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    return model(batch)
+
+
+def is_weight_quantizer(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ("_weight_quantizer", "weight_quantizer")
+
+
+def calibrator_kind(method: str) -> str:
+    if method not in METHODS:
+        raise ValueError(f"calibration method {method!r} is not allowed: choose one of {list(METHODS)}")
+    return "max" if method == "max" else "histogram"
+
+
+def _has_kind(q: TensorQuantizer, kind: str) -> bool:
+    from lq import calib
+
+    cal = q.calibrator
+    if kind == "max":
+        return isinstance(cal, calib.MaxCalibrator)
+    return isinstance(cal, calib.HistogramCalibrator)
+
+
+def select_quantizers(model: nn.Module, include_calibrated: bool = True) -> list[tuple[str, TensorQuantizer]]:
+    """Quantizers that calibration serves: enabled, static amax (not dynamic)."""
+    name_quantizers(model)
+    out = []
+    for name, q in iter_quantizers(model):
+        if not q.is_enabled or q.dynamic:
+            continue
+        if not include_calibrated and q.amax is not None and not q.learn_amax:
+            continue  # a learned amax holds its initial value until calibrated: keep it in
+        out.append((name, q))
+    return out
+
+
+def methods_for(quantizers, method: str, weight_method: str = "max", overrides: Mapping[str, str] | None = None):
+    """``{name: method}``: inputs use ``method``, weights ``weight_method``, then glob overrides."""
+    out = {}
+    for name, _ in quantizers:
+        m = weight_method if is_weight_quantizer(name) else method
+        layer = name.rsplit(".", 1)[0]
+        for glob, o in (overrides or {}).items():
+            if fnmatch.fnmatchcase(layer, glob) or fnmatch.fnmatchcase(name, glob):
+                m = o
+        calibrator_kind(m)
+        out[name] = m
+    return out
+
+
+def collect(
+    model: nn.Module,
+    batches: Iterable,
+    quantizers: list[tuple[str, TensorQuantizer]],
+    methods: Mapping[str, str],
+    *,
+    num_batches: int | None = None,
+    forward: Callable[[nn.Module, Any], Any] = default_forward,
+    num_bins: int = 2048,
+    progress: Callable[[Iterable, int | None], Iterable] | None = None,
+) -> int:
+    """Run ``model`` over up to ``num_batches`` batches with collection on; return how many ran."""
+    from lq import calib
+
+    for name, q in quantizers:
+        kind = calibrator_kind(methods[name])
+        if not _has_kind(q, kind) or (kind == "histogram" and q.calibrator.num_bins != num_bins):
+            if kind == "histogram":
+                q.calibrator = calib.HistogramCalibrator(q.num_bits, q.axis, q.unsigned, num_bins=num_bins)
+            else:
+                q.calibrator = kind
+        q.calibrator.reset()
+    saved = [(q, q._if_quant, q._if_calib) for _, q in quantizers]
+    was_training = model.training
+    seen = 0
+    try:
+        model.eval()
+        for _, q in quantizers:
+            q.disable_quant()
+            q.enable_calib()
+        it = batches if progress is None else progress(batches, num_batches)
+        with torch.no_grad():
+            for batch in it:
+                if num_batches is not None and seen >= num_batches:
+                    break
+                forward(model, batch)
+                seen += 1
+    finally:
+        for q, if_quant, if_calib in saved:
+            q._if_quant = if_quant
+            q._if_calib = if_calib
+        model.train(was_training)
+    return seen
+
+
+def sync(quantizers: list[tuple[str, TensorQuantizer]], process_group=None) -> None:
+    """Reduce every calibrator's statistics across processes (no-op without torch.distributed)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    for _, q in quantizers:
+        q.calibrator.sync(process_group)
+
+
+def load_amax(quantizers, methods: Mapping[str, str], *, percentile: float = 99.99, strict: bool = True) -> dict:
+    """Compute and set amax for every quantizer; quantizers without data are named in one error."""
+    empty = [name for name, q in quantizers if not q.calibrator.has_data]
+    if empty and strict:
+        raise CalibrationError(
+            f"{len(empty)} quantizer(s) saw no data during calibration: {', '.join(empty)}. "
+            "Their layers never ran in the calibration forward: check calibration_step/forward, "
+            "or exclude those layers from quantization"
+        )
+    out = {}
+    for name, q in quantizers:
+        if name in empty:
+            continue
+        m = methods[name]
+        kwargs = {"percentile": percentile} if m == "percentile" else {}
+        q.load_calib_amax(m if m != "max" else None, strict=strict, **kwargs)
+        out[name] = q.amax
+    return out
+
+
+def calibrate_model(
+    model: nn.Module,
+    batches: Iterable,
+    *,
+    method: str = "max",
+    weight_method: str = "max",
+    method_overrides: Mapping[str, str] | None = None,
+    num_batches: int | None = None,
+    percentile: float = 99.99,
+    num_bins: int = 2048,
+    forward: Callable[[nn.Module, Any], Any] = default_forward,
+    only_uncalibrated: bool = False,
+    strict: bool = True,
+    process_group=None,
+    progress=None,
+) -> dict:
+    """Post-training calibration of every static quantizer in ``model``; returns ``{name: amax}``.
+
+    Args:
+        model: a model with TensorQuantizers (see :func:`lq.convert.quantize_model`).
+        batches: an iterable of batches (a DataLoader).
+        method: activation method: max, entropy, percentile or mse.
+        weight_method: weight method (max per channel is exact for weights).
+        method_overrides: ``{layer glob: method}``.
+        num_batches: stop after this many batches (None: all).
+        forward: how to run the model on a batch (see :func:`default_forward`).
+        only_uncalibrated: leave quantizers that already hold amax alone.
+        strict: raise when a quantizer saw no data (else warn and keep it dynamic).
+
+    Raises:
+        CalibrationError: the batches were empty, or quantizers saw no data (named).
+    """
+    quantizers = select_quantizers(model, include_calibrated=not only_uncalibrated)
+    if not quantizers:
+        return {}
+    methods = methods_for(quantizers, method, weight_method, method_overrides)
+    seen = collect(model, batches, quantizers, methods, num_batches=num_batches, forward=forward,
+                   num_bins=num_bins, progress=progress)
+    if seen == 0:
+        raise CalibrationError(
+            "the calibration dataloader produced no batches: give a non-empty dataloader "
+            "(or calib.dataloader='train'/'val' pointing at one that has data)"
+        )
+    sync(quantizers, process_group)
+    return load_amax(quantizers, methods, percentile=percentile, strict=strict)

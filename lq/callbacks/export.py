@@ -1,0 +1,119 @@
+"""QuantExport: write the INT8 (Q/DQ) ONNX model at the end of ``fit`` and check it in onnxruntime."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+
+from lq.config import ExportConfig, coerce
+
+
+class ExportFailed(RuntimeError):
+    """ONNX export or its verification failed; the message says what to fix and where the weights are."""
+
+
+def first_input(batch: Any) -> Any:
+    """The model input of a batch: the first element of a tuple/list batch, else the batch."""
+    return batch[0] if isinstance(batch, (list, tuple)) else batch
+
+
+class QuantExport(L.Callback):
+    """Export the quantized model to ONNX with QuantizeLinear/DequantizeLinear at ``on_fit_end``.
+
+    On rank zero only, on a deep copy (the trained module is not touched, so
+    ``trainer.test(ckpt_path=...)`` and further training still work): BatchNorm
+    folded, Q/DQ placed for onnxruntime/TensorRT INT8 kernels, ``onnx.checker``,
+    then onnxruntime on a sample batch with the max difference to PyTorch
+    reported (and compared with ``tolerance``). Before exporting, the weights are
+    saved to a checkpoint unless a ModelCheckpoint already holds them, so an
+    export error never loses training; the error names that checkpoint.
+
+    Args:
+        export: :class:`lq.config.ExportConfig`.
+        sample_input: ``(trainer, pl_module) -> tensor`` giving the example input;
+            default: the first batch of the val (else train) dataloader.
+    """
+
+    def __init__(self, export: Optional[ExportConfig] = None,
+                 sample_input: Optional[Callable[[L.Trainer, L.LightningModule], Any]] = None) -> None:
+        self.export = coerce(export, ExportConfig, "QuantExport.export")
+        self.sample_input = sample_input
+        self.result: Any = None
+        self.path: Optional[str] = None
+
+    def resolve_path(self, trainer: L.Trainer) -> str:
+        p = self.export.path
+        return p if os.path.isabs(p) else os.path.join(trainer.default_root_dir, p)
+
+    def _sample(self, trainer: L.Trainer, pl_module: L.LightningModule):
+        if self.sample_input is not None:
+            return self.sample_input(trainer, pl_module)
+        loaders = []
+        try:
+            val = trainer.val_dataloaders
+            loaders += list(val) if isinstance(val, (list, tuple)) else [val]
+        except Exception:  # noqa: BLE001 - no val loader configured
+            pass
+        loaders.append(trainer.train_dataloader)
+        for loader in loaders:
+            if loader is None:
+                continue
+            for batch in loader:
+                return first_input(batch)
+        raise ExportFailed("no dataloader batch to trace the export with: pass QuantExport(sample_input=...)")
+
+    def _safe_checkpoint(self, trainer: L.Trainer) -> Optional[str]:
+        ckpt = trainer.checkpoint_callback
+        for attr in ("last_model_path", "best_model_path"):
+            p = getattr(ckpt, attr, "") if ckpt is not None else ""
+            if p and os.path.exists(p):
+                return p
+        path = os.path.join(trainer.default_root_dir, "lq_before_export.ckpt")
+        trainer.save_checkpoint(path)
+        return path
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.export.enabled:
+            return
+        ckpt = self._safe_checkpoint(trainer)  # collective under DDP: every rank calls it
+        if trainer.is_global_zero:
+            self.result = self.run(trainer, pl_module, ckpt)
+        trainer.strategy.barrier("lq_export")
+
+    def run(self, trainer: L.Trainer, pl_module: L.LightningModule, ckpt: Optional[str] = None):
+        from lq.export import export_onnx
+
+        path = self.resolve_path(trainer)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        e = self.export
+        try:
+            sample = self._sample(trainer, pl_module)
+            sample = sample.to(pl_module.device) if isinstance(sample, torch.Tensor) else sample
+            result = export_onnx(
+                pl_module, sample, path, opset=e.opset, dynamo=e.exporter == "dynamo", fold_bn=e.fold_bn,
+                verify=e.verify, tolerance=e.tolerance,
+            )
+        except Exception as err:
+            where = f" The trained weights are safe in {ckpt}." if ckpt else ""
+            raise ExportFailed(f"ONNX export to {path} failed: {err}.{where}") from err
+        self.path = path
+        self._report(result)
+        return result
+
+    @rank_zero_only
+    def _report(self, result) -> None:
+        diff = getattr(result, "max_abs_diff", None)
+        msg = f"lq: exported {self.path}"
+        if diff is not None:
+            msg += f" (onnxruntime vs PyTorch max |diff| = {diff:.3g}, tolerance {self.export.tolerance:g})"
+        rank_zero_info(msg)
+
+    def state_dict(self) -> dict:
+        return {"path": self.path}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.path = state_dict.get("path")

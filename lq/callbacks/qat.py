@@ -1,0 +1,138 @@
+"""QATSchedule: the quantization-aware fine-tuning policy (frozen/learned amax, BN freezing, LR recipe)."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Union
+
+import lightning as L
+from torch import nn
+
+from lq.config import QATConfig, coerce
+from lq.nn.modules.tensor_quantizer import iter_quantizers
+
+EpochRule = Union[int, Callable[[int], bool], None]
+
+
+def _due(rule: EpochRule, epoch: int) -> bool:
+    """An int means "from this epoch on"; a callable decides per epoch (like ModelPruning's ``amount``)."""
+    if rule is None:
+        return False
+    if callable(rule):
+        return bool(rule(epoch))
+    return epoch >= rule
+
+
+def _bn_modules(module: nn.Module):
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+class QATSchedule(L.Callback):
+    """Quantization-aware training policy.
+
+    * amax stays frozen (a buffer: the scale must not drift every step) unless
+      inputs were swapped with learned amax (``QuantSwap(learn_amax=True)``);
+      learned amax stops changing once ``freeze_amax_epoch`` is due.
+    * BatchNorm statistics are frozen (BN layers kept in eval mode) once
+      ``freeze_bn_epoch`` is due.
+    * ``lr_policy="cosine"``: the reference toolkit's fine-tuning recipe: every
+      param group of every optimizer starts at ``lr_start_fraction`` of its
+      configured LR and follows half a cosine down to ``lr_end_fraction`` of
+      that over the remaining steps of the fit. It sets the LR directly at each
+      step, so it works with any optimizer the module configures (and overrides
+      the module's own schedulers while active).
+    * Logs ``lq/amax_drift/<quantizer>``: relative change of every static amax
+      since training started.
+
+    Args:
+        qat: :class:`lq.config.QATConfig`.
+        freeze_bn_epoch / freeze_amax_epoch: override the config with an int or
+            a callable ``epoch -> bool`` (Python API only).
+    """
+
+    def __init__(self, qat: Optional[QATConfig] = None, freeze_bn_epoch: EpochRule = None,
+                 freeze_amax_epoch: EpochRule = None) -> None:
+        self.qat = coerce(qat, QATConfig, "QATSchedule.qat")
+        self.freeze_bn_rule: EpochRule = freeze_bn_epoch if freeze_bn_epoch is not None else self.qat.freeze_bn_epoch
+        self.freeze_amax_rule: EpochRule = (
+            freeze_amax_epoch if freeze_amax_epoch is not None else self.qat.freeze_amax_epoch
+        )
+        self.base_lrs: Optional[list] = None
+        self.amax_start: dict = {}
+        self._bn_frozen = False
+        self._amax_frozen = False
+
+    # ------------------------------------------------------------------ start
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.qat.enabled:
+            for _, q in iter_quantizers(pl_module):
+                q.disable_quant()
+            return
+        if self.qat.lr_policy == "cosine" and self.base_lrs is None:
+            self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers]
+        if not self.amax_start:
+            self.amax_start = {n: q.amax.detach().clone() for n, q in iter_quantizers(pl_module) if q.amax is not None}
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        epoch = trainer.current_epoch
+        self._bn_frozen = _due(self.freeze_bn_rule, epoch)
+        if _due(self.freeze_amax_rule, epoch) and not self._amax_frozen:
+            for _, q in iter_quantizers(pl_module):
+                if q.learn_amax:
+                    q.disable_clip()  # learned amax: requires_grad off, value kept
+            self._amax_frozen = True
+        self._apply_bn(pl_module)
+
+    def _apply_bn(self, pl_module) -> None:
+        if self._bn_frozen:
+            for bn in _bn_modules(pl_module):
+                bn.eval()
+
+    # ------------------------------------------------------------------ every step
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        self._apply_bn(pl_module)  # Lightning may have put the module back in train mode after validation
+        if self.base_lrs is not None:
+            total = max(1, trainer.estimated_stepping_batches)
+            progress = min(1.0, trainer.global_step / total)
+            for opt, lrs in zip(trainer.optimizers, self.base_lrs):
+                for group, lr in zip(opt.param_groups, lrs):
+                    group["lr"] = self.lr_at(lr, progress)
+
+    def lr_at(self, base_lr: float, progress: float) -> float:
+        """LR of the cosine recipe at ``progress`` in [0, 1] of the fine-tuning run."""
+        start = base_lr * self.qat.lr_start_fraction
+        end = start * self.qat.lr_end_fraction
+        return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    # ------------------------------------------------------------------ logging
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.amax_start:
+            return
+        metrics = {}
+        for name, q in iter_quantizers(pl_module):
+            start = self.amax_start.get(name)
+            if start is None or q.amax is None or q.amax.shape != start.shape:
+                continue
+            cur = q.amax.detach().to(start.device)
+            drift = ((cur - start).abs() / start.abs().clamp_min(1e-12)).max()
+            metrics[f"lq/amax_drift/{name}"] = float(drift)
+        if metrics and trainer.loggers:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        self.last_drift = metrics
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {
+            "base_lrs": self.base_lrs,
+            "amax_start": {k: v.cpu() for k, v in self.amax_start.items()},
+            "amax_frozen": self._amax_frozen,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.base_lrs = state_dict.get("base_lrs")
+        self.amax_start = dict(state_dict.get("amax_start") or {})
+        self._amax_frozen = bool(state_dict.get("amax_frozen", False))
+
+
+__all__ = ["QATSchedule"]

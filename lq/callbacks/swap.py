@@ -1,0 +1,88 @@
+"""QuantSwap: replace a LightningModule's layers with quantized ones at ``setup``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from typing import Any, Optional
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
+
+from lq.config import QuantConfig, coerce
+
+
+class QuantSwap(L.Callback):
+    """Swap supported layers (Conv, Linear, pooling, ...) for their ``lq.nn`` quantized versions.
+
+    Runs in ``setup``: before a checkpoint is restored (so a QAT checkpoint's
+    amax loads into quantized layers) and before ``configure_optimizers`` (so
+    learned-amax parameters reach the optimizer). The swap keeps the very same
+    Parameter objects, never patches ``forward``, and is idempotent: a second
+    ``fit`` finds the layers already quantized and leaves them alone.
+
+    Args:
+        quant: the recipe (:class:`lq.config.QuantConfig` or one of its subclasses, or a mapping).
+        learn_amax: make every input amax a learned parameter (QAT with PACT-style clipping).
+    """
+
+    def __init__(self, quant: Optional[QuantConfig] = None, learn_amax: bool = False) -> None:
+        self.quant = coerce(quant, QuantConfig, "QuantSwap.quant")
+        self.learn_amax = bool(learn_amax)
+        self.summary: Any = None
+
+    def _input_cfg(self, cfg):
+        return replace(cfg, learn_amax=True) if self.learn_amax and cfg.enabled and cfg.block_size is None else cfg
+
+    def swap(self, model) -> Any:
+        """Quantize ``model`` in place per the recipe; returns the conversion summary."""
+        from lq.convert import quantize_model
+        from lq.nn.modules.tensor_quantizer import name_quantizers
+
+        q = self.quant
+        overrides = {}
+        for glob, per in q.overrides.items():
+            overrides[glob] = {}
+            for role in per:
+                cfg = q.override_for(role, glob)
+                overrides[glob][role] = (self._input_cfg(cfg) if role == "input" else cfg).to_descriptor()
+        summary = quantize_model(
+            model,
+            include=tuple(q.include),
+            exclude=tuple(q.exclude),
+            overrides=overrides or None,
+            quant_desc_input=self._input_cfg(q.input).to_descriptor(),
+            quant_desc_weight=q.weight.to_descriptor(),
+        )
+        name_quantizers(model, overwrite=True)
+        self._apply_enabled(model)
+        return summary
+
+    def _apply_enabled(self, model) -> None:
+        """Turn off the quantizers whose config says ``enabled: false`` (e.g. weight-only recipes)."""
+        from lq.nn.modules.tensor_quantizer import iter_quantizers
+
+        for name, tq in iter_quantizers(model):
+            layer, _, attr = name.rpartition(".")
+            role = "weight" if "weight" in attr else "input"
+            if not self.quant.selects(layer):
+                continue
+            if not self.quant.quantizer_for(layer, role).enabled:
+                tq.disable()
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.summary = self.swap(pl_module)
+        rank_zero_info(f"lq: quantized {self._count(self.summary)} layer(s) of {type(pl_module).__name__}")
+
+    @staticmethod
+    def _count(summary) -> int:
+        rows = getattr(summary, "rows", None)
+        rows = rows() if callable(rows) else rows
+        return len(rows) if rows is not None else 0
+
+    def state_dict(self) -> dict:
+        return {"quant": asdict(self.quant), "quant_class": type(self.quant).__name__, "learn_amax": self.learn_amax}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # The configuration the user passed wins; the saved one is kept for reference and for
+        # lq.load_quantized(), which rebuilds the quantized model without this callback.
+        self._restored_config = state_dict

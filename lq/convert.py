@@ -1,0 +1,546 @@
+"""Convert an existing model to quantized modules, without monkey-patching (the recommended API).
+
+::
+
+    from lq.convert import quantize_model
+    summary = quantize_model(model, exclude=["head"],
+                             overrides={"stem.*": {"weight": {"num_bits": 8, "axis": None}}})
+    print(summary)            # a table: layer, type, bits, axis, amax
+    logger.log_table(summary.rows())
+
+Conversion is by exact module type (``type_map``), filtered by module-name
+globs (``include`` / ``exclude``, :func:`fnmatch.fnmatchcase`; a pattern that
+matches a module also matches everything inside it, so ``exclude=["head"]``
+leaves the whole head float). Converted modules hold the SAME Parameter and
+buffer objects, stay on their device, keep their dtype and train/eval mode.
+
+Guarantees: every argument and every layer is validated and every new module
+is built BEFORE the model is touched, so any error leaves the model exactly as
+it was; modules that are already quantized are left alone (converting twice is
+a no-op).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import types
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from lq import nn as quant_nn
+from lq.nn.modules._utils import DescriptorTypeError, QuantMixin, as_quant_descriptor
+from lq.nn.modules.tensor_quantizer import TensorQuantizer
+
+__all__ = [
+    "quantize_model",
+    "dequantize_model",
+    "iter_quantizers",
+    "summarize",
+    "QuantizationSummary",
+    "LayerSummary",
+    "DEFAULT_TYPE_MAP",
+    "ConversionError",
+    "UnsupportedModuleTypeError",
+    "OverrideError",
+    "DescriptorTypeError",
+]
+
+#: ``{float class: quantized class}`` for every float module type lq can quantize (read-only view)
+DEFAULT_TYPE_MAP: Mapping[type, type] = types.MappingProxyType(dict(quant_nn.QUANT_MODULE_CLASSES))
+
+_OVERRIDE_KEYS = ("input", "weight")
+
+
+class ConversionError(ValueError):
+    """Quantizing a model failed; the model was not modified."""
+
+
+class UnsupportedModuleTypeError(ConversionError, TypeError):
+    """``type_map`` names a type lq cannot quantize, or maps it to something that is not a quantized class."""
+
+
+class OverrideError(ConversionError):
+    """An ``overrides`` entry is malformed or its glob matches no quantized layer."""
+
+
+# ====================================================================== helpers
+def _as_patterns(value, what: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    try:
+        out = tuple(value)
+    except TypeError:
+        raise TypeError(f"{what} must be a glob string or a list of them, got {value!r}") from None
+    for p in out:
+        if not isinstance(p, str):
+            raise TypeError(f"{what} must contain glob strings, got {p!r}")
+    return out
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    """True when ``name`` or one of its ancestors ("a", "a.b" for "a.b.c") matches a pattern."""
+    parts = name.split(".") if name else [""]
+    candidates = [".".join(parts[: i + 1]) for i in range(len(parts))]
+    return any(fnmatch.fnmatchcase(c, p) for p in patterns for c in candidates)
+
+
+def _normalize_type_map(type_map) -> dict[type, type]:
+    if type_map is None:
+        return dict(DEFAULT_TYPE_MAP)
+    if isinstance(type_map, Mapping):
+        items = list(type_map.items())
+    elif isinstance(type_map, (list, tuple, set, frozenset)):
+        items = [(t, None) for t in type_map]
+    else:
+        raise UnsupportedModuleTypeError(
+            f"type_map must be a dict {{float class: quantized class}} or a list of float classes, got {type_map!r}"
+        )
+    out = {}
+    for float_cls, quant_cls in items:
+        if not (isinstance(float_cls, type) and issubclass(float_cls, nn.Module)):
+            raise UnsupportedModuleTypeError(f"type_map key {float_cls!r} is not an nn.Module class")
+        if quant_cls is None:
+            quant_cls = DEFAULT_TYPE_MAP.get(float_cls)
+            if quant_cls is None:
+                known = ", ".join(sorted(t.__name__ for t in DEFAULT_TYPE_MAP))
+                raise UnsupportedModuleTypeError(
+                    f"lq has no quantized version of {float_cls.__module__}.{float_cls.__name__}; "
+                    f"quantizable types: {known} (or map it to a quantized class of your own)"
+                )
+        if not (isinstance(quant_cls, type) and callable(getattr(quant_cls, "from_float", None))):
+            raise UnsupportedModuleTypeError(
+                f"type_map[{float_cls.__name__}] = {quant_cls!r} is not a quantized module class "
+                "(a class with a from_float(module, quant_desc_input, quant_desc_weight) classmethod)"
+            )
+        expected = getattr(quant_cls, "_float_module", None)
+        if expected is not None and not issubclass(float_cls, expected):
+            raise UnsupportedModuleTypeError(
+                f"type_map[{float_cls.__name__}] = {quant_cls.__name__}, which converts "
+                f"{expected.__name__} modules, not {float_cls.__name__}"
+            )
+        out[float_cls] = quant_cls
+    return out
+
+
+def _normalize_overrides(overrides) -> list[tuple[str, dict]]:
+    if overrides is None:
+        return []
+    if not isinstance(overrides, Mapping):
+        raise OverrideError(f"overrides must be a dict {{glob: {{'input': ..., 'weight': ...}}}}, got {overrides!r}")
+    out = []
+    for pattern, spec in overrides.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise OverrideError(f"overrides key {pattern!r} is not a module-name glob (a non-empty str)")
+        if not isinstance(spec, Mapping):
+            raise OverrideError(
+                f"overrides[{pattern!r}] must be a dict with keys {_OVERRIDE_KEYS}, got {type(spec).__name__}"
+            )
+        bad = [k for k in spec if k not in _OVERRIDE_KEYS]
+        if bad:
+            raise OverrideError(f"overrides[{pattern!r}] has unknown key(s) {bad}; allowed: {_OVERRIDE_KEYS}")
+        descs = {}
+        for k, v in spec.items():
+            descs[k] = as_quant_descriptor(v, f"overrides[{pattern!r}][{k!r}]")
+        out.append((pattern, descs))
+    return out
+
+
+def _model_device(model: nn.Module):
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return None
+
+
+# ====================================================================== summary
+def _fmt_bits(q) -> str:
+    if q is None:
+        return "-"
+    if not q.is_enabled or not q._if_quant:
+        return "off"
+    if q.is_fp8:
+        return "fp8"
+    return f"{'u' if q.unsigned else ''}int{q.num_bits}"
+
+
+def _fmt_axis(q) -> str:
+    if q is None:
+        return "-"
+    if q.block_sizes is not None:
+        return "blocks " + ",".join(f"{k}:{v}" for k, v in q.block_sizes.items() if not isinstance(k, str))
+    return "tensor" if q.axis is None else f"axis {q.axis}"
+
+
+def _amax_stats(qs) -> tuple[float | None, float | None]:
+    vals = [q.amax.detach().float() for q in qs if q is not None and q.amax is not None]
+    if not vals:
+        return None, None
+    return min(float(v.min()) for v in vals), max(float(v.max()) for v in vals)
+
+
+@dataclass
+class LayerSummary:
+    """One quantized (or deliberately skipped) layer."""
+
+    name: str
+    type: str
+    status: str  # "quantized" | "already quantized" | "excluded"
+    input_bits: Any = None
+    input_axis: Any = None
+    input_amax: float | None = None
+    input_amax_min: float | None = None
+    weight_bits: Any = None
+    weight_axis: Any = None
+    weight_amax: float | None = None
+    weight_amax_min: float | None = None
+    num_quantizers: int = 0
+    _input_text: str = field(default="-", repr=False)
+    _weight_text: str = field(default="-", repr=False)
+
+    @classmethod
+    def of(cls, name: str, module: nn.Module, status: str) -> "LayerSummary":
+        if not isinstance(module, QuantMixin):
+            return cls(name=name, type=type(module).__name__, status=status)
+        inputs, weights = [], []
+        for qname, q in module.iter_quantizers():
+            (weights if "weight" in qname else inputs).append(q)
+        # out_proj of attention and similar quantized children count as this layer's
+        for _, child in module.named_children():
+            if isinstance(child, QuantMixin):
+                for qname, q in child.iter_quantizers():
+                    (weights if "weight" in qname else inputs).append(q)
+        qi = inputs[0] if inputs else None
+        qw = weights[0] if weights else None
+        imin, imax = _amax_stats(inputs)
+        wmin, wmax = _amax_stats(weights)
+        return cls(
+            name=name,
+            type=type(module).__name__,
+            status=status,
+            input_bits=None if qi is None else qi.num_bits,
+            input_axis=None if qi is None else qi.axis,
+            input_amax=imax,
+            input_amax_min=imin,
+            weight_bits=None if qw is None else qw.num_bits,
+            weight_axis=None if qw is None else qw.axis,
+            weight_amax=wmax,
+            weight_amax_min=wmin,
+            num_quantizers=len(inputs) + len(weights),
+            _input_text=f"{_fmt_bits(qi)} {_fmt_axis(qi)}" if qi is not None else "-",
+            _weight_text=f"{_fmt_bits(qw)} {_fmt_axis(qw)}" if qw is not None else "-",
+        )
+
+    def row(self) -> dict:
+        d = asdict(self)
+        d.pop("_input_text")
+        d.pop("_weight_text")
+        for k in ("input_bits", "weight_bits", "input_axis", "weight_axis"):
+            if isinstance(d[k], tuple):
+                d[k] = list(d[k])
+        return d
+
+
+def _fmt_amax(lo, hi) -> str:
+    if hi is None:
+        return "dynamic"
+    if lo is None or lo == hi:
+        return f"{hi:.4g}"
+    return f"{lo:.3g}..{hi:.3g}"
+
+
+class QuantizationSummary:
+    """Which layers were quantized, with bits, axis and amax.
+
+    ``print(summary)`` shows a table (rich's, when rich is installed);
+    ``rich.print(summary)`` renders it in color; :meth:`rows` gives a list of
+    plain dicts for loggers (``logger.log_table(key, data=...)``, CSV, ...).
+    """
+
+    def __init__(self, layers: list[LayerSummary], notes: list[str] | None = None):
+        self.layers = list(layers)
+        self.notes = list(notes or [])
+
+    @property
+    def quantized(self) -> list[str]:
+        """Names of the layers converted by this call."""
+        return [layer.name for layer in self.layers if layer.status == "quantized"]
+
+    @property
+    def skipped(self) -> list[str]:
+        """Names of quantizable layers left float (excluded by name)."""
+        return [layer.name for layer in self.layers if layer.status == "excluded"]
+
+    def rows(self) -> list[dict]:
+        return [layer.row() for layer in self.layers]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Iterator[LayerSummary]:
+        return iter(self.layers)
+
+    def __getitem__(self, name: str) -> LayerSummary:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(name)
+
+    _HEADERS = ("layer", "type", "status", "input", "input amax", "weight", "weight amax")
+
+    def _table_rows(self) -> list[tuple[str, ...]]:
+        return [
+            (
+                layer.name,
+                layer.type,
+                layer.status,
+                layer._input_text,
+                _fmt_amax(layer.input_amax_min, layer.input_amax) if layer._input_text != "-" else "-",
+                layer._weight_text,
+                _fmt_amax(layer.weight_amax_min, layer.weight_amax) if layer._weight_text != "-" else "-",
+            )
+            for layer in self.layers
+        ]
+
+    def _title(self) -> str:
+        n = sum(1 for layer in self.layers if layer.status != "excluded")
+        return f"lq quantization summary: {n} quantized layer(s), {len(self.skipped)} excluded"
+
+    def __rich__(self):
+        from rich.table import Table
+
+        table = Table(title=self._title())
+        for h in self._HEADERS:
+            table.add_column(h, no_wrap=h in ("layer",))
+        for row in self._table_rows():
+            table.add_row(*row)
+        if self.notes:
+            table.caption = "; ".join(self.notes)
+        return table
+
+    def _plain(self) -> str:
+        rows = [self._HEADERS] + self._table_rows()
+        widths = [max(len(r[i]) for r in rows) for i in range(len(self._HEADERS))]
+        lines = [self._title()]
+        for k, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            if k == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        try:
+            import io
+
+            from rich.console import Console
+        except ImportError:  # pragma: no cover - rich is a dependency
+            return self._plain()
+        buf = io.StringIO()
+        Console(file=buf, width=160, color_system=None, force_terminal=False).print(self.__rich__())
+        return buf.getvalue().rstrip("\n")
+
+    def __repr__(self) -> str:
+        return f"QuantizationSummary({len(self.layers)} layers, quantized={self.quantized})"
+
+
+def summarize(model: nn.Module) -> QuantizationSummary:
+    """The summary of every quantized layer of ``model`` as it is now (e.g. after calibration)."""
+    layers: list[LayerSummary] = []
+    seen: set[int] = set()
+    inside: list[str] = []  # quantized layers already listed: their quantized children belong to them
+    for name, m in model.named_modules():
+        if not isinstance(m, QuantMixin) or id(m) in seen:
+            continue
+        if any(name.startswith(p + ".") for p in inside):
+            continue
+        seen.add(id(m))
+        inside.append(name)
+        layers.append(LayerSummary.of(name, m, "quantized"))
+    return QuantizationSummary(layers)
+
+
+def iter_quantizers(model: nn.Module) -> Iterator[tuple[str, TensorQuantizer]]:
+    """``(name, TensorQuantizer)`` for every quantizer in ``model`` (``conv1._input_quantizer`` ...)."""
+    for name, m in model.named_modules():
+        if isinstance(m, TensorQuantizer):
+            yield name, m
+
+
+# ====================================================================== conversion
+@dataclass
+class _Target:
+    module: nn.Module
+    name: str
+    quant_cls: type
+    locations: list = field(default_factory=list)  # [(parent, attribute)]
+    new: nn.Module | None = None
+    row: int = -1  # index of this layer in the summary
+
+
+def quantize_model(
+    model: nn.Module,
+    *,
+    type_map=None,
+    include=("*",),
+    exclude=(),
+    overrides=None,
+    quant_desc_input=None,
+    quant_desc_weight=None,
+) -> QuantizationSummary:
+    """Replace the float modules of ``model`` by quantized ones, in place.
+
+    Args:
+        model: the model (modified in place; the root module itself is never replaced).
+        type_map: ``{float class: quantized class}`` (a value of None means lq's class for
+            that type), or a list of float classes; default :data:`DEFAULT_TYPE_MAP`
+            (every type lq can quantize). Matching is by exact type.
+        include: module-name globs to convert (default all).
+        exclude: module-name globs to leave float (wins over ``include``).
+        overrides: ``{glob: {"input": QuantDescriptor | dict, "weight": ...}}`` per-layer
+            descriptors; when several globs match a layer, later entries win.
+        quant_desc_input / quant_desc_weight: descriptors for every converted layer
+            (QuantDescriptor or dict); None keeps each class's default (per-tensor
+            inputs, per-channel weights).
+
+    Returns:
+        a :class:`QuantizationSummary` of the converted, already quantized and excluded layers.
+
+    Raises:
+        UnsupportedModuleTypeError: ``type_map`` names a type without a quantized class.
+        OverrideError: a malformed ``overrides`` entry, or a glob that matches no quantized layer.
+        DescriptorTypeError: a descriptor that is not a QuantDescriptor or a dict of its arguments.
+        ConversionError: a layer could not be converted (the message names it).
+        In every case the model is left untouched.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    tmap = _normalize_type_map(type_map)
+    include = _as_patterns(include, "include")
+    exclude = _as_patterns(exclude, "exclude")
+    rules = _normalize_overrides(overrides)
+    qi_all = None if quant_desc_input is None else as_quant_descriptor(quant_desc_input, "quant_desc_input")
+    qw_all = None if quant_desc_weight is None else as_quant_descriptor(quant_desc_weight, "quant_desc_weight")
+
+    if not isinstance(model, QuantMixin) and type(model) in tmap and _matches("", include) and not _matches("", exclude):
+        raise ConversionError(
+            f"the model itself is a {type(model).__name__}, which quantize_model cannot replace in place; "
+            f"use {tmap[type(model)].__name__}.from_float(model) instead"
+        )
+
+    # ---- phase 1: find targets (nothing is modified)
+    targets: dict[int, _Target] = {}
+    decisions: dict[int, tuple[bool, str]] = {}
+    layers: list[LayerSummary] = []
+    already: dict[int, str] = {}
+    visited_parents: set[int] = set()
+
+    def visit(parent: nn.Module, prefix: str):
+        if id(parent) in visited_parents:
+            return
+        visited_parents.add(id(parent))
+        for attr, child in parent._modules.items():
+            if child is None:
+                continue
+            name = f"{prefix}.{attr}" if prefix else attr
+            if isinstance(child, QuantMixin):
+                if id(child) not in already:
+                    already[id(child)] = name
+                    layers.append(LayerSummary.of(name, child, "already quantized"))
+                continue
+            quant_cls = tmap.get(type(child))
+            if quant_cls is not None:
+                selected = _matches(name, include) and not _matches(name, exclude)
+                prev = decisions.get(id(child))
+                if prev is not None and prev[0] != selected:
+                    raise ConversionError(
+                        f"the same {type(child).__name__} module is used as {prev[1]!r} and {name!r}, which "
+                        "include/exclude treat differently; a shared module is either quantized or not"
+                    )
+                if prev is None:
+                    decisions[id(child)] = (selected, name)
+                if selected:
+                    t = targets.setdefault(id(child), _Target(child, name, quant_cls))
+                    if not any(p is parent and a == attr for p, a in t.locations):
+                        t.locations.append((parent, attr))
+                    if prev is None:
+                        layers.append(None)  # placeholder, filled after conversion (keeps model order)
+                        t.row = len(layers) - 1
+                    continue
+                if prev is None:
+                    layers.append(LayerSummary.of(name, child, "excluded"))
+            visit(child, name)
+
+    visit(model, "")
+
+    # ---- overrides: validate that every glob hits a quantized layer
+    quant_names = [t.name for t in targets.values()] + list(already.values())
+    for pattern, _ in rules:
+        if not any(_matches(n, [pattern]) for n in quant_names):
+            sample = ", ".join(quant_names[:8]) + (" ..." if len(quant_names) > 8 else "")
+            raise OverrideError(
+                f"overrides glob {pattern!r} matches no quantized layer (quantized layers: {sample or 'none'})"
+            )
+
+    # ---- phase 2: build every new module (the model is still untouched)
+    device = _model_device(model)
+    for t in targets.values():
+        qi, qw = qi_all, qw_all
+        for pattern, descs in rules:
+            if _matches(t.name, [pattern]):
+                qi = descs.get("input", qi)
+                qw = descs.get("weight", qw)
+        if not getattr(t.quant_cls, "_has_weight", True):
+            qw = None
+        try:
+            t.new = t.quant_cls.from_float(t.module, qi, qw)
+        except DescriptorTypeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised with the layer's name
+            raise ConversionError(f"cannot quantize {t.name!r} ({type(t.module).__name__}): {e}") from e
+        has_state = any(True for _ in t.module.parameters()) or any(True for _ in t.module.buffers())
+        if not has_state and device is not None and isinstance(t.new, QuantMixin):
+            for _, q in t.new.iter_quantizers():
+                q.to(device)
+
+    # ---- phase 3: commit (plain dict assignments; cannot fail half way)
+    notes = []
+    for t in targets.values():
+        for parent, attr in t.locations:
+            parent._modules[attr] = t.new
+        layers[t.row] = LayerSummary.of(t.name, t.new, "quantized")
+    if any(isinstance(t.new, quant_nn.QuantMultiheadAttention) for t in targets.values()):
+        for name, m in model.named_modules():
+            if isinstance(m, nn.TransformerEncoder) and getattr(m, "use_nested_tensor", False):
+                m.use_nested_tensor = False
+                notes.append(f"{name or 'model'}: nested-tensor fast path turned off (it would bypass the quantizers)")
+    return QuantizationSummary(layers, notes)
+
+
+def dequantize_model(model: nn.Module) -> nn.Module:
+    """Turn every quantized module of ``model`` back into its float ``torch.nn`` module, in place
+    (the same Parameter objects; quantizers and amax are dropped). Returns the model, or the float
+    module when ``model`` itself is a quantized module."""
+    if isinstance(model, QuantMixin):
+        model = model.to_float()
+    replaced: dict[int, nn.Module] = {}
+    stack = [model]
+    seen = set()
+    while stack:
+        parent = stack.pop()
+        if id(parent) in seen:
+            continue
+        seen.add(id(parent))
+        for attr, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            if isinstance(child, QuantMixin) and getattr(child, "_float_module", None) is not None:
+                if id(child) not in replaced:
+                    replaced[id(child)] = child.to_float()
+                parent._modules[attr] = replaced[id(child)]
+                continue
+            stack.append(child)
+    return model

@@ -1,0 +1,142 @@
+"""Human-facing reports of a quantized model: the per-layer table, logger output, calibration figures."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional
+
+from torch import nn
+
+from lq.nn.modules.tensor_quantizer import iter_quantizers
+
+COLUMNS = ("quantizer", "bits", "axis", "amax", "method", "state")
+
+
+def _amax_text(q) -> str:
+    a = q.amax
+    if q.dynamic:
+        return "dynamic"
+    if a is None:
+        return "uncalibrated"
+    if a.numel() == 1:
+        return f"{float(a):.4g}"
+    return f"{float(a.min()):.4g}..{float(a.max()):.4g} ({a.numel()})"
+
+
+def quantizer_rows(model: nn.Module, methods: Optional[Mapping[str, str]] = None) -> list[dict]:
+    """One row per TensorQuantizer: name, bits, axis, amax, calibration method, state."""
+    rows = []
+    for name, q in iter_quantizers(model):
+        bits = "fp8_e4m3" if q.is_fp8 else f"{'u' if q.unsigned else ''}int{q.num_bits}"
+        if q.block_sizes:
+            blocks = {k: v for k, v in q.block_sizes.items() if not isinstance(k, str)}
+            bits += f" blocks {blocks}"
+        state = "disabled" if not q.is_enabled else ("learned" if q.learn_amax else "quant")
+        rows.append({
+            "quantizer": name,
+            "bits": bits,
+            "axis": "tensor" if q.axis is None else str(q.axis),
+            "amax": _amax_text(q),
+            "method": (methods or {}).get(name, type(q.calibrator).__name__ if q.calibrator is not None else "-"),
+            "state": state,
+        })
+    return rows
+
+
+def rich_table(rows: Iterable[Mapping[str, Any]], title: str = "lq quantization summary"):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in COLUMNS:
+        table.add_column(c, justify="right" if c in ("amax",) else "left")
+    for r in rows:
+        table.add_row(*(str(r[c]) for c in COLUMNS))
+    return table
+
+
+def markdown_table(rows: Iterable[Mapping[str, Any]]) -> str:
+    rows = list(rows)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def print_table(rows, title: str = "lq quantization summary") -> None:
+    from rich.console import Console
+
+    Console().print(rich_table(rows, title))
+
+
+def log_table(loggers, rows: list[dict], step: int = 0, key: str = "lq/summary") -> None:
+    """Send the table to every logger in the form it takes (table, text), and amax as metrics."""
+    metrics = {}
+    for name, r in ((r["quantizer"], r) for r in rows):
+        try:
+            metrics[f"lq/amax/{name}"] = float(r["amax"].split(" ")[0].split("..")[-1])
+        except ValueError:
+            pass
+    for logger in loggers or []:
+        exp = getattr(logger, "experiment", None)
+        if hasattr(logger, "log_table"):
+            logger.log_table(key=key, columns=list(COLUMNS), data=[[r[c] for c in COLUMNS] for r in rows])
+        elif exp is not None and hasattr(exp, "add_text"):
+            exp.add_text(key, markdown_table(rows), global_step=step)
+        if metrics:
+            logger.log_metrics(metrics, step=step)
+
+
+def histogram_figures(model: nn.Module, max_figures: int = 4, percentile: float = 99.99) -> list[tuple[str, Any]]:
+    """Figures of collected calibration histograms with the amax each method would choose."""
+    from lq import calib
+
+    out = []
+    for name, q in iter_quantizers(model):
+        cal = q.calibrator
+        if not isinstance(cal, calib.HistogramCalibrator) or not cal.has_data or q.axis is not None:
+            continue
+        out.append((name, histogram_figure(name, cal, percentile)))
+        if len(out) >= max_figures:
+            break
+    return out
+
+
+def histogram_figure(name: str, cal, percentile: float = 99.99):
+    """One histogram of |x| (log counts) with vertical lines at each method's amax."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    counts, edges = cal.histogram()
+    counts = counts.float().cpu().numpy()
+    edges = edges.float().cpu().numpy()
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar(edges[:-1], counts, width=edges[1] - edges[0], align="edge", color="#7a9cc6", linewidth=0)
+    ax.set_yscale("log")
+    picks = {"max": float(edges[-1])}
+    for method in ("entropy", "mse", "percentile"):
+        kwargs = {"percentile": percentile} if method == "percentile" else {}
+        picks[method] = float(cal.compute_amax(method, **kwargs))
+    colors = {"max": "black", "entropy": "tab:red", "mse": "tab:green", "percentile": "tab:orange"}
+    for method, amax in picks.items():
+        ax.axvline(amax, color=colors[method], linestyle="--", label=f"{method}: {amax:.3g}")
+    ax.set_title(name, fontsize=9)
+    ax.set_xlabel("|x|")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def log_figures(loggers, figures: list[tuple[str, Any]], step: int = 0) -> int:
+    """Send figures to loggers that take images; returns how many were logged."""
+    n = 0
+    for logger in loggers or []:
+        exp = getattr(logger, "experiment", None)
+        for name, fig in figures:
+            key = f"lq/calib_hist/{name}"
+            if exp is not None and hasattr(exp, "add_figure"):
+                exp.add_figure(key, fig, global_step=step, close=False)
+                n += 1
+            elif hasattr(logger, "log_image"):
+                logger.log_image(key=key, images=[fig])
+                n += 1
+    return n
