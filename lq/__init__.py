@@ -1,12 +1,47 @@
 """lq: quantization for PyTorch Lightning with a fast C++/CUDA fake-quantization core.
 
 The numerics and API follow NVIDIA's pytorch-quantization toolkit
-(``lq.tensor_quant``, ``lq.nn``, ``lq.calib``, ``lq.quant_modules``).
+(``lq.tensor_quant``, ``lq.nn``, ``lq.calib``, ``lq.quant_modules``); the
+Lightning side is :class:`lq.QuantCallback` and its parts in
+:mod:`lq.callbacks`. Lightning-dependent names load on first use, so
+``import lq`` stays light.
 """
+
+from importlib import import_module
 
 from lq import tensor_quant
 from lq._ext import is_loaded as extension_loaded
 
 __version__ = "0.1.0"
 
-__all__ = ["tensor_quant", "extension_loaded", "__version__"]
+_LAZY = {
+    "nn": ("lq.nn", None),
+    "calib": ("lq.calib", None),
+    "quant_modules": ("lq.quant_modules", None),
+    "config": ("lq.config", None),
+    "QuantCallback": ("lq.callbacks", "QuantCallback"),
+    "QuantSwap": ("lq.callbacks", "QuantSwap"),
+    "QuantCalibrate": ("lq.callbacks", "QuantCalibrate"),
+    "QATSchedule": ("lq.callbacks", "QATSchedule"),
+    "QuantExport": ("lq.callbacks", "QuantExport"),
+    "quantize_model": ("lq.convert", "quantize_model"),
+    "calibrate_model": ("lq.calibration", "calibrate_model"),
+    "export_onnx": ("lq.export", "export_onnx"),
+    "load_quantized": ("lq.checkpoint", "load_quantized"),
+    "QuantConfig": ("lq.config", "QuantConfig"),
+    "CalibConfig": ("lq.config", "CalibConfig"),
+    "QATConfig": ("lq.config", "QATConfig"),
+    "ExportConfig": ("lq.config", "ExportConfig"),
+}
+
+__all__ = ["tensor_quant", "extension_loaded", "__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = import_module(module)
+        value = getattr(value, attr) if attr else value
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lq' has no attribute {name!r}")

@@ -80,7 +80,9 @@ def _sources() -> tuple[list[str], list[str]]:
 
 def build_flags() -> tuple[list[str], list[str], list[str]]:
     cap = cpu_capability()
-    cflags = ["-O3", "-fopenmp", "-DNDEBUG", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"]
+    # -ffp-contract=off: no fused multiply-add contractions, so the kernels round exactly
+    # where the reference (lq/_reference.py) rounds.
+    cflags = ["-O3", "-fopenmp", "-ffp-contract=off", "-DNDEBUG", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"]
     cflags += _CAPABILITY_FLAGS[cap]
     cuda_flags = ["-O3", "-std=c++17"]  # no --use_fast_math: results must match the CPU bit for bit
     ldflags = ["-fopenmp"]

@@ -16,7 +16,7 @@
 namespace lq {
 namespace cuda {
 
-constexpr int64_t kHistSmemBins = 12288;  // 48 KiB of 32-bit counters
+constexpr int64_t kHistSmemBins = 12032;  // 47 KiB of 32-bit counters (+ static shared memory <= 48 KiB)
 
 template <typename T>
 struct HistArgs {

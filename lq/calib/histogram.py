@@ -192,12 +192,13 @@ def compute_amax_mse(counts, width, num_bits=8, unsigned=False, stride=1, start_
     centers = (2 * order + 1).float() * half_w  # (C, M) float32
     amax_c = (2 * cand + 1).float().reshape(1, -1) * half_w  # (C, K) float32
     out = torch.empty(C, cand.numel(), dtype=torch.float64, device=dev)
-    rows = max(1, _CHUNK_ELEMS // max(1, cand.numel() * M))
-    kstep = cand.numel() if rows >= 1 else 1
+    K = cand.numel()
+    rows = max(1, _CHUNK_ELEMS // (K * M))
+    kstep = K if _CHUNK_ELEMS >= K * M else max(1, _CHUNK_ELEMS // M)
     for c0 in range(0, C, rows):
         c1 = min(C, c0 + rows)
         cc = centers[c0:c1].unsqueeze(1)  # (c, 1, M)
-        for k0 in range(0, cand.numel(), kstep):
+        for k0 in range(0, K, kstep):
             a = amax_c[c0:c1, k0:k0 + kstep].unsqueeze(2)  # (c, k, 1)
             err = _fake_quant_rows(cc, a, num_bits, unsigned) - cc  # (c, k, M) float32
             out[c0:c1, k0:k0 + kstep] = torch.einsum("ckm,cm->ck", err.double().square_(), weights[c0:c1])

@@ -1,0 +1,207 @@
+"""The ``lq-train`` job: FP32 training, PTQ, QAT, ONNX INT8 export and onnxruntime evaluation.
+
+Used by the Hydra app (:mod:`lq.cli`) and callable from Python with a
+:class:`lq.config.JobConfig`. Prints (and returns) one table: accuracy of
+the FP32, PTQ and QAT models in PyTorch and of the exported INT8 model in
+onnxruntime, model file sizes and onnxruntime latencies.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import numpy as np
+import torch
+
+from lq.config import JobConfig
+
+
+@dataclass
+class JobResult:
+    """What the job measured; ``rows()`` gives the printed table."""
+
+    accuracy: dict = field(default_factory=dict)  # stage -> accuracy in [0, 1]
+    size_bytes: dict = field(default_factory=dict)  # file -> bytes
+    latency_ms: dict = field(default_factory=dict)  # (model, batch) -> median ms
+    onnx_max_abs_diff: Optional[float] = None
+    files: dict = field(default_factory=dict)
+
+    def rows(self) -> list[tuple[str, str]]:
+        out = []
+        names = {"fp32": "FP32 (PyTorch)", "ptq": "INT8 PTQ (PyTorch fake-quant)", "qat": "INT8 QAT (PyTorch fake-quant)",
+                 "onnx_int8": "INT8 ONNX (onnxruntime)", "onnx_fp32": "FP32 ONNX (onnxruntime)"}
+        for k, v in self.accuracy.items():
+            out.append((f"accuracy: {names.get(k, k)}", f"{100 * v:.2f}%"))
+        for k, v in self.size_bytes.items():
+            out.append((f"size: {k}", f"{v / 1024:.1f} KiB"))
+        for (model, batch), ms in self.latency_ms.items():
+            out.append((f"latency: {model}, batch {batch}", f"{ms:.3f} ms"))
+        if ("fp32", 32) in self.latency_ms and ("int8", 32) in self.latency_ms:
+            out.append(("speedup INT8 vs FP32, batch 32", f"{self.latency_ms[('fp32', 32)] / self.latency_ms[('int8', 32)]:.2f}x"))
+        if self.onnx_max_abs_diff is not None:
+            out.append(("onnxruntime vs PyTorch max |diff| (sample batch)", f"{self.onnx_max_abs_diff:.3g}"))
+        return out
+
+
+def _instantiate(spec: dict):
+    from hydra.utils import instantiate
+
+    return instantiate(dict(spec), _convert_="all")
+
+
+def _trainer(cfg: JobConfig, root: Path, max_epochs: int, callbacks=None) -> L.Trainer:
+    kwargs = dict(cfg.trainer)
+    kwargs.update(max_epochs=max_epochs, default_root_dir=str(root), callbacks=callbacks or [])
+    return L.Trainer(**kwargs)
+
+
+def _inputs_targets(loader):
+    xs, ys = [], []
+    for batch in loader:
+        xs.append(batch[0])
+        ys.append(batch[1])
+    return torch.cat(xs), torch.cat(ys)
+
+
+@torch.no_grad()
+def accuracy(model: torch.nn.Module, loader) -> float:
+    """Top-1 accuracy of a classifier over ``(inputs, targets)`` batches."""
+    was = model.training
+    model.eval()
+    correct = total = 0
+    device = next(model.parameters()).device
+    for x, y in loader:
+        pred = model(x.to(device)).argmax(1).cpu()
+        correct += int((pred == y).sum())
+        total += len(y)
+    model.train(was)
+    return correct / max(1, total)
+
+
+def ort_session(path: str, threads: Optional[int] = None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        so.intra_op_num_threads = threads
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def ort_accuracy(path: str, x: torch.Tensor, y: torch.Tensor, batch: int = 256) -> tuple[float, np.ndarray]:
+    sess = ort_session(path)
+    name = sess.get_inputs()[0].name
+    preds = []
+    for i in range(0, len(x), batch):
+        preds.append(sess.run(None, {name: x[i : i + batch].numpy()})[0].argmax(1))
+    pred = np.concatenate(preds)
+    return float((pred == y.numpy()).mean()), pred
+
+
+def ort_latency_ms(path: str, sample: np.ndarray, repeats: int = 30, warmup: int = 5) -> float:
+    """Median wall time of one onnxruntime run."""
+    sess = ort_session(path)
+    name = sess.get_inputs()[0].name
+    for _ in range(warmup):
+        sess.run(None, {name: sample})
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        sess.run(None, {name: sample})
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def export_fp32(model: torch.nn.Module, sample: torch.Tensor, path: str) -> str:
+    """The floating point ONNX baseline (BatchNorm folded by onnxruntime at load time)."""
+    m = copy.deepcopy(model).eval().cpu()
+    torch.onnx.export(m, (sample.cpu(),), path, input_names=["input"], output_names=["output"],
+                      dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}}, dynamo=False, opset_version=17)
+    return path
+
+
+def run_job(cfg: JobConfig, *, print_table: bool = True) -> JobResult:
+    """Run the whole pipeline; see the module docstring."""
+    from lq.calibration import calibrate_model
+    from lq.callbacks import QuantCallback, QuantSwap
+
+    torch.set_flush_denormal(True)
+    L.seed_everything(cfg.seed, workers=True)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    res = JobResult()
+
+    dm = _instantiate(cfg.data)
+    model = _instantiate(cfg.model)
+    dm.setup("fit")
+
+    # 1. FP32
+    if cfg.fp32_epochs:
+        _trainer(cfg, out / "fp32", cfg.fp32_epochs).fit(model, datamodule=dm)
+    res.accuracy["fp32"] = accuracy(model, dm.test_dataloader())
+
+    # 2. PTQ: calibrate a copy, no training
+    ptq = copy.deepcopy(model)
+    QuantSwap(cfg.quant).swap(ptq)
+    calibrate_model(ptq, dm.train_dataloader(), method=cfg.calib.method, weight_method=cfg.calib.weight_method,
+                    method_overrides=cfg.calib.method_overrides, num_batches=cfg.calib.num_batches,
+                    percentile=cfg.calib.percentile, num_bins=cfg.calib.num_bins)
+    res.accuracy["ptq"] = accuracy(ptq, dm.test_dataloader())
+
+    # 3. QAT through the callback (calibrates again on its own, fine-tunes, exports)
+    qat = copy.deepcopy(model)
+    export_cfg = copy.deepcopy(cfg.export)
+    export_cfg.path = str((out / "model_int8.onnx").resolve())
+    cb = QuantCallback(cfg.quant, cfg.calib, cfg.qat, export_cfg, verbose=False)
+    _trainer(cfg, out / "qat", cfg.qat_epochs, callbacks=[cb]).fit(qat, datamodule=dm)
+    if cfg.qat_epochs == 0 and export_cfg.enabled and cb.exporter.path is None:
+        cb.exporter.run(_trainer(cfg, out / "qat", 0), qat)
+    res.accuracy["qat"] = accuracy(qat, dm.test_dataloader())
+    result = cb.exporter.result
+    res.onnx_max_abs_diff = getattr(result, "max_abs_diff", None)
+
+    # 4. onnxruntime: accuracy of the INT8 model, sizes and latency against the FP32 export
+    x, y = _inputs_targets(dm.test_dataloader())
+    int8_path = export_cfg.path
+    fp32_path = str(out / "model_fp32.onnx")
+    export_fp32(model, x[:2], fp32_path)
+    res.files = {"int8": int8_path, "fp32": fp32_path}
+    if os.path.exists(int8_path):
+        res.accuracy["onnx_int8"], _ = ort_accuracy(int8_path, x, y)
+        res.size_bytes["model_int8.onnx"] = os.path.getsize(int8_path)
+    res.size_bytes["model_fp32.onnx"] = os.path.getsize(fp32_path)
+    for batch in (1, 32):
+        sample = x[:batch].numpy()
+        if len(sample) < batch:
+            sample = np.concatenate([sample] * (batch // max(1, len(sample)) + 1))[:batch]
+        res.latency_ms[("fp32", batch)] = ort_latency_ms(fp32_path, sample)
+        if os.path.exists(int8_path):
+            res.latency_ms[("int8", batch)] = ort_latency_ms(int8_path, sample)
+
+    if print_table:
+        print_results(res)
+    return res
+
+
+def print_results(res: JobResult) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="lq-train results")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    for k, v in res.rows():
+        t.add_row(k, v)
+    Console().print(t)
+
+
+def job_config(**overrides: Any) -> JobConfig:
+    """A :class:`JobConfig` with the defaults of ``conf/train.yaml`` (for Python callers)."""
+    return JobConfig(**overrides)
