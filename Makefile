@@ -9,7 +9,7 @@ setup:
 	$(PYTHON) -m lq._ext
 
 train: setup
-	$(PYTHON) -m lq.demo
+	lq-train
 
 test: setup
 	$(PYTHON) -m pytest -q

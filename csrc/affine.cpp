@@ -42,8 +42,8 @@ at::Tensor fake_affine_quant_cpu(const at::Tensor& x, const at::Tensor& min_rang
   const double levels = static_cast<double>((int64_t{1} << num_bits) - 1);
   const double min_bound = -static_cast<double>(int64_t{1} << (num_bits - 1));
   const double max_bound = static_cast<double>((int64_t{1} << (num_bits - 1)) - 1);
-  const at::Tensor step = ((hi - lo) / levels).contiguous();
-  const at::Tensor zp = (at::round(lo / step) - min_bound).contiguous();
+  const at::Tensor step = hi.sub(lo).div(levels).contiguous();
+  const at::Tensor zp = lo.div(step).round().sub(min_bound).contiguous();
   at::Tensor out = at::empty_like(x);
   if (x.numel() == 0) return out;
   auto iter = make_iter(out, {x, step, zp});

@@ -6,7 +6,8 @@
 // only ATen host APIs, so CUDA host code can include it too.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>

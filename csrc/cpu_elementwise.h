@@ -14,7 +14,9 @@
 //              Vec   inside(const Vec& x, const Vec* p) const;  // all-ones lanes where true
 #pragma once
 
+#include <ATen/ExpandUtils.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/TensorIterator.h>
 
 #include <array>

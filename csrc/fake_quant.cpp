@@ -4,6 +4,7 @@
 // Numerics (lq/_reference.py): s = max_bound / amax (as reciprocal(amax) * max_bound,
 // 0 where amax <= 2^-24), q = clamp(round_half_even(x * s), min_bound, max_bound),
 // fake_quant = q / s (0 where s == 0), all in float32, cast back to x's dtype.
+#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include "common.h"

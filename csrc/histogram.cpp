@@ -8,6 +8,8 @@
 // Parallel: each task bins into its own private histogram (four interleaved 32-bit
 // sub-histograms, so runs of equal bins do not serialize on one counter) and adds it
 // into the result once at the end.
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <mutex>

@@ -27,12 +27,11 @@ import types
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
-import torch
 from torch import nn
 
 from lq import nn as quant_nn
 from lq.nn.modules._utils import DescriptorTypeError, QuantMixin, as_quant_descriptor
-from lq.nn.modules.tensor_quantizer import TensorQuantizer
+from lq.nn.modules.tensor_quantizer import iter_quantizers  # (name, TensorQuantizer) for every quantizer
 
 __all__ = [
     "quantize_model",
@@ -247,7 +246,7 @@ class LayerSummary:
 def _fmt_amax(lo, hi) -> str:
     if hi is None:
         return "dynamic"
-    if lo is None or lo == hi:
+    if lo is None or f"{lo:.3g}" == f"{hi:.3g}":
         return f"{hi:.4g}"
     return f"{lo:.3g}..{hi:.3g}"
 
@@ -326,7 +325,7 @@ class QuantizationSummary:
         widths = [max(len(r[i]) for r in rows) for i in range(len(self._HEADERS))]
         lines = [self._title()]
         for k, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
             if k == 0:
                 lines.append("  ".join("-" * w for w in widths))
         lines += [f"note: {n}" for n in self.notes]
@@ -361,13 +360,6 @@ def summarize(model: nn.Module) -> QuantizationSummary:
         inside.append(name)
         layers.append(LayerSummary.of(name, m, "quantized"))
     return QuantizationSummary(layers)
-
-
-def iter_quantizers(model: nn.Module) -> Iterator[tuple[str, TensorQuantizer]]:
-    """``(name, TensorQuantizer)`` for every quantizer in ``model`` (``conv1._input_quantizer`` ...)."""
-    for name, m in model.named_modules():
-        if isinstance(m, TensorQuantizer):
-            yield name, m
 
 
 # ====================================================================== conversion
@@ -425,7 +417,8 @@ def quantize_model(
     qi_all = None if quant_desc_input is None else as_quant_descriptor(quant_desc_input, "quant_desc_input")
     qw_all = None if quant_desc_weight is None else as_quant_descriptor(quant_desc_weight, "quant_desc_weight")
 
-    if not isinstance(model, QuantMixin) and type(model) in tmap and _matches("", include) and not _matches("", exclude):
+    root_selected = _matches("", include) and not _matches("", exclude)
+    if not isinstance(model, QuantMixin) and type(model) in tmap and root_selected:
         raise ConversionError(
             f"the model itself is a {type(model).__name__}, which quantize_model cannot replace in place; "
             f"use {tmap[type(model)].__name__}.from_float(model) instead"

@@ -80,7 +80,9 @@ def _entries(float_module_list=None, custom_quant_modules=None) -> list[tuple[ob
             if not isinstance(name, str):
                 raise TypeError(f"float_module_list entries must be module names (str), got {item!r}")
             if name not in default_names:
-                raise ValueError(f"float_module_list: {name!r} is not a module initialize() replaces; allowed: {default_names}")
+                raise ValueError(
+                    f"float_module_list: {name!r} is not a module initialize() replaces; allowed: {default_names}"
+                )
             skip.add(name)
 
     custom: list[tuple[object, str, type]] = []
@@ -105,7 +107,9 @@ def _entries(float_module_list=None, custom_quant_modules=None) -> list[tuple[ob
             if not isinstance(name, str) or not hasattr(owner, name):
                 raise ValueError(f"custom_quant_modules: {owner!r} has no attribute {name!r}")
             if not (isinstance(quant_cls, type) and issubclass(quant_cls, torch.nn.Module)):
-                raise TypeError(f"custom_quant_modules: replacement for {name!r} must be an nn.Module class, got {quant_cls!r}")
+                raise TypeError(
+                    f"custom_quant_modules: replacement for {name!r} must be an nn.Module class, got {quant_cls!r}"
+                )
             custom.append((owner, name, quant_cls))
 
     out = {(e.orig_mod, e.mod_name): e.replace_mod for e in _DEFAULT_QUANT_MAP if e.mod_name not in skip}

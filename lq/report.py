@@ -12,7 +12,7 @@ COLUMNS = ("quantizer", "bits", "axis", "amax", "method", "state")
 
 
 def _amax_text(q) -> str:
-    a = q.amax
+    a = q.amax.detach() if q.amax is not None else None
     if q.dynamic:
         return "dynamic"
     if a is None:

@@ -148,6 +148,20 @@ LQ_HD void store_vec(T* p, const Vec<T, N>& v) {
 }
 
 // ------------------------------------------------------------------ integer division by a constant
+// 64-bit division (tensors of 2^31 elements or more) is a long instruction
+// sequence; kept out of line so the kernels that may need it stay small.
+#if defined(__CUDACC__)
+__device__ __noinline__ inline uint64_t udiv64_slow(uint64_t n, uint64_t d) { return n / d; }
+#endif
+
+LQ_HD uint64_t udiv64(uint64_t n, uint64_t d) {
+#if defined(__CUDA_ARCH__)
+  return udiv64_slow(n, d);
+#else
+  return n / d;
+#endif
+}
+
 // q = n / d for a divisor fixed at launch. While every numerator is below 2^31
 // (``small``, decided on the host from numel) the quotient is a multiply-high
 // and a shift (round-up method: m = floor(2^32 (2^s - d) / d) + 1, 2^s >= d);
@@ -180,7 +194,7 @@ struct Divmod {
 #endif
       return (uint64_t(hi) + n32) >> shift;
     }
-    return n / d;
+    return udiv64(n, d);
   }
 
   LQ_HD uint64_t mod(uint64_t n, bool small) const { return n - div(n, small) * d; }

@@ -11,7 +11,8 @@
 //   broadcast operand's offset is computed from the position (BcastMap): a
 //   constant (per-tensor, MAXR = 0), one divide/modulo (per-channel, MAXR = 1)
 //   or up to 8 (MAXR = kMaxDims). When no broadcast coordinate changes inside
-//   a vector the context is computed once per vector.
+//   a vector the context is computed once per vector; with one broadcast dim
+//   the coordinate is divided out once per vector and then stepped.
 // * StridedBody: any strides (rank <= 8 after coalescing), one element per
 //   thread; the slow path for non-dense inputs, expanded gradients, strided out=.
 //
@@ -184,6 +185,28 @@ struct DenseBody {
     return a.op.ctx(v0, v1);
   }
 
+  // Position within a rank <= 1 broadcast map: pos = (q * div + r), coordinate c = q % mod.
+  struct Walk {
+    uint64_t r = 0;
+    uint64_t c = 0;
+    LQ_HD int64_t offset(const BcastMap& m) const { return m.rank ? static_cast<int64_t>(c) * m.stride[0] : 0; }
+    LQ_HD void step(const BcastMap& m) {
+      if (m.rank && ++r == m.div[0].d) {
+        r = 0;
+        if (++c == m.mod[0].d) c = 0;
+      }
+    }
+  };
+  LQ_HD Walk walk_start(const BcastMap& m, uint64_t pos) const {
+    Walk w;
+    if (m.rank) {
+      const uint64_t q = m.div[0].div(pos, a.small);
+      w.r = pos - q * m.div[0].d;
+      w.c = m.mod[0].mod(q, a.small);
+    }
+    return w;
+  }
+
   LQ_HD void element(int64_t i, const typename Op::Ctx& c) const {
     in1_t x1{};
     if constexpr (Op::kNumIn >= 2) x1 = a.in1[i];
@@ -212,6 +235,22 @@ struct DenseBody {
         in1_t b{};
         if constexpr (Op::kNumIn >= 2) b = x1.v[j];
         y.v[j] = a.op.apply(c, x0.v[j], b);
+      }
+    } else if constexpr (MAXR == 1) {
+      // one broadcast dim whose coordinate changes inside the vector: divide
+      // once, then step the coordinate along the vector
+      Walk w0 = walk_start(m0, static_cast<uint64_t>(base));
+      Walk w1 = walk_start(m1, static_cast<uint64_t>(base));
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        float v0 = 0.0f, v1 = 0.0f;
+        if constexpr (Op::kNumB >= 1) v0 = a.b0[w0.offset(m0)];
+        if constexpr (Op::kNumB >= 2) v1 = a.b1[w1.offset(m1)];
+        in1_t b{};
+        if constexpr (Op::kNumIn >= 2) b = x1.v[j];
+        y.v[j] = a.op.apply(a.op.ctx(v0, v1), x0.v[j], b);
+        w0.step(m0);
+        w1.step(m1);
       }
     } else {
 #pragma unroll

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lq.calib.calibrator import _Calibrator, _comm_device, _dist_ready, _gather_objects
+from lq.calib.calibrator import _Calibrator, _comm_device, _gather_objects
 from lq.calib.max import finite_absmax
 
 __all__ = ["EMAMaxCalibrator"]

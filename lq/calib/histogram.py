@@ -40,7 +40,7 @@ import warnings
 import torch
 
 from lq import _checks, _reference
-from lq.calib.calibrator import _Calibrator, _comm_device, _dist_ready, _gather_objects
+from lq.calib.calibrator import _Calibrator, _comm_device, _gather_objects
 
 __all__ = [
     "HistogramCalibrator",
@@ -52,7 +52,8 @@ __all__ = [
 ]
 
 HIST_METHODS = ("entropy", "mse", "percentile", "max")
-_CHUNK_ELEMS = 1 << 22  # elements per vectorized chunk (x8 bytes in float64)
+_ENTROPY_CHUNK = 1 << 15  # (candidate, group) cells per chunk: float64 working set stays in cache
+_MSE_CHUNK = 1 << 15  # (candidate, center) cells per chunk; <= GRAIN_SIZE keeps each op serial
 
 
 # ====================================================================== grid
@@ -81,6 +82,30 @@ def _rebin(counts: torch.Tensor, old_range: torch.Tensor, new_range: torch.Tenso
 
 
 # ====================================================================== amax methods (vectorized)
+class _serial_cpu:
+    """Run the amax searches with one intra-op thread on CPU.
+
+    Their work is split into cache-sized chunks of small ops; thread fan-out
+    buys nothing there and, on a busy machine, the OpenMP hand-offs of every
+    small op cost far more than the arithmetic (measured 10-30x slower).
+    """
+
+    def __init__(self, device):
+        self._on = torch.device(device).type == "cpu"
+
+    def __enter__(self):
+        if self._on:
+            self._n = torch.get_num_threads()
+            if self._n != 1:
+                torch.set_num_threads(1)
+        return self
+
+    def __exit__(self, *exc):
+        if self._on and self._n != 1:
+            torch.set_num_threads(self._n)
+        return False
+
+
 def _as_2d(counts: torch.Tensor, width) -> tuple[torch.Tensor, torch.Tensor]:
     counts = counts.double()
     if counts.dim() == 1:
@@ -91,7 +116,7 @@ def _as_2d(counts: torch.Tensor, width) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, width
 
 
-def compute_amax_entropy(counts, width, num_bits=8, unsigned=False, stride=1, start_bin=128) -> torch.Tensor:
+def _compute_amax_entropy_impl(counts, width, num_bits=8, unsigned=False, stride=1, start_bin=128) -> torch.Tensor:
     """amax minimizing TensorRT's KL divergence, for every row of ``counts`` at once.
 
     Args:
@@ -104,7 +129,8 @@ def compute_amax_entropy(counts, width, num_bits=8, unsigned=False, stride=1, st
     (``nbins = 2^(num_bits - 1 + unsigned)``) and spreads each group's count
     evenly over its non-empty bins. Both use ``counts[0] := counts[1]``. All
     candidates are evaluated together from prefix sums:
-    ``KL = sum P log P - sum P log Q`` with group sums from cumulative counts.
+    ``KL = sum P log P - sum P log Q`` with group sums from cumulative counts
+    (float64, in cache-sized chunks of candidates).
     Returns float64 amax, ``(C,)`` (or a scalar for 1-D ``counts``).
     """
     squeeze = torch.as_tensor(counts).dim() == 1
@@ -114,66 +140,74 @@ def compute_amax_entropy(counts, width, num_bits=8, unsigned=False, stride=1, st
     b = b.clone()
     if N > 1:
         b[:, 0] = b[:, 1]
-    nb = 1 << (num_bits - 1 + int(unsigned))
+    shift = num_bits - 1 + int(unsigned)
+    nb = 1 << shift
     cand = torch.arange(start_bin, N + 1, stride, device=dev)
     if cand.numel() == 0:
         raise ValueError(f"no entropy candidates: start_bin={start_bin} must be <= num_bins={N}")
     T = b.sum(1, keepdim=True)
-    zero = torch.zeros(C, 1, dtype=torch.float64, device=dev)
-    cs = torch.cat([zero, b.cumsum(1)], 1)
-    cn = torch.cat([zero, (b > 0).double().cumsum(1)], 1)
-    cbl = torch.cat([zero, torch.where(b > 0, b * torch.log(torch.where(b > 0, b, 1.0)), 0.0).cumsum(1)], 1)
-    logT = torch.log(torch.where(T > 0, T, torch.ones_like(T)))
     Tsafe = torch.where(T > 0, T, torch.ones_like(T))
+    logT = torch.log(Tsafe)
+    zero = torch.zeros(C, 1, dtype=torch.float64, device=dev)
+    cs = torch.cat([zero, b.cumsum(1)], 1)  # cs[:, i] = sum(b[:, :i])
+    cn = torch.cat([zero, (b > 0).double().cumsum(1)], 1)  # non-empty bins before i
+    cbl = torch.cat([zero, torch.xlogy(b, b).cumsum(1)], 1)  # sum b log b before i
+    # per candidate (cheap, K elements)
+    last = cand - 1
+    Bi = cs[:, cand]  # (C, K) counts below the candidate
+    tail = T - Bi
+    b_last = b[:, last]
+    p_last = (b_last + tail) / Tsafe
+    sum_plogp = (cbl[:, last] - cs[:, last] * logT) / Tsafe + torch.xlogy(p_last, p_last)
+    g_last = (last * nb) // cand  # group of bin i - 1
+    # per (candidate, group): group sums from prefix sums, in chunks of candidates
     g = torch.arange(nb + 1, device=dev)
-    kl_parts = []
-    step = max(1, _CHUNK_ELEMS // max(1, C * (nb + 1)))
+    A = torch.empty(C, cand.numel(), dtype=torch.float64, device=dev)
+    log_ql = torch.empty_like(A)
+    step = max(1, _ENTROPY_CHUNK // (C * (nb + 1)))
     for k0 in range(0, cand.numel(), step):
-        ci = cand[k0:k0 + step]  # (K,)
-        E = (g.reshape(1, -1) * ci.reshape(-1, 1) + nb - 1) // nb  # (K, nb+1) group starts; E[:, nb] == ci
-        S = cs[:, E].diff(dim=2)  # (C, K, nb)
-        M = cn[:, E].diff(dim=2)
-        ratio = torch.where(S > 0, S / torch.where(M > 0, M, 1.0), 1.0)
-        A = (S * torch.log(ratio)).sum(2)  # sum_g S_g log(S_g / M_g)
-        last = ci - 1
-        Bi = cs[:, ci]
-        tail = T - Bi
-        b_last = b[:, last]
-        g_last = (last * nb) // ci
-        S_last = S.gather(2, g_last.reshape(1, -1, 1).expand(C, -1, 1)).squeeze(2)
-        M_last = M.gather(2, g_last.reshape(1, -1, 1).expand(C, -1, 1)).squeeze(2)
-        Bsafe = torch.where(Bi > 0, Bi, torch.ones_like(Bi))
-        logBi = torch.log(Bsafe)
-        logQ_last = torch.log(torch.where(S_last > 0, S_last / torch.where(M_last > 0, M_last, 1.0), 1.0)) - logBi
-        sum_plogq = (A - Bi * logBi) / Tsafe + torch.where(tail > 0, tail / Tsafe * logQ_last, 0.0)
-        p_last = (b_last + tail) / Tsafe
-        sum_plogp = (cbl[:, last] - cs[:, last] * logT) / Tsafe + torch.where(
-            p_last > 0, p_last * torch.log(torch.where(p_last > 0, p_last, 1.0)), 0.0)
-        kl = sum_plogp - sum_plogq
-        bad = (Bi <= 0) | ((tail > 0) & (b_last <= 0))
-        kl_parts.append(torch.where(bad, torch.full_like(kl, math.inf), kl))
-    kl = torch.cat(kl_parts, 1)  # (C, K)
+        ci = cand[k0:k0 + step]
+        E = ((g.reshape(1, -1) * ci.reshape(-1, 1) + (nb - 1)) >> shift).reshape(-1)  # group starts, (k*(nb+1),)
+        S = cs.index_select(1, E).reshape(C, -1, nb + 1).diff(dim=2)  # (C, k, nb) group sums
+        M = cn.index_select(1, E).reshape(C, -1, nb + 1).diff(dim=2)  # non-empty bins per group
+        A[:, k0:k0 + step] = (torch.xlogy(S, S) - torch.xlogy(S, M)).sum(2)  # sum_g S log(S / M)
+        gl = g_last[k0:k0 + step].reshape(1, -1, 1).expand(C, -1, 1)
+        S_l, M_l = S.gather(2, gl).squeeze(2), M.gather(2, gl).squeeze(2)
+        log_ql[:, k0:k0 + step] = torch.log(torch.where(S_l > 0, S_l, 1.0)) - torch.log(torch.where(M_l > 0, M_l, 1.0))
+    Bsafe = torch.where(Bi > 0, Bi, torch.ones_like(Bi))
+    logBi = torch.log(Bsafe)
+    sum_plogq = (A - Bi * logBi) / Tsafe + torch.where(tail > 0, tail / Tsafe * (log_ql - logBi), 0.0)
+    kl = sum_plogp - sum_plogq
+    bad = (Bi <= 0) | ((tail > 0) & (b_last <= 0))  # Q = 0 where P > 0: infinite divergence
+    kl = torch.where(bad, torch.full_like(kl, math.inf), kl)
     K = kl.shape[1]
-    best = K - 1 - torch.argmin(kl.flip(1), dim=1)  # last minimum
+    best = K - 1 - torch.argmin(kl.flip(1), dim=1)  # last minimum, like the reference toolkit
     amax = cand[best].double() * w
     amax = torch.where(T.squeeze(1) > 0, amax, torch.zeros_like(amax))
     return amax[0] if squeeze else amax
 
 
-def _fake_quant_rows(c: torch.Tensor, amax: torch.Tensor, num_bits, unsigned: bool) -> torch.Tensor:
-    """``fake_tensor_quant(c, amax)`` for every candidate amax: ``c (..., 1, M)`` x ``amax (..., K, 1)``."""
+def _fake_quant_candidates(c: torch.Tensor, amax: torch.Tensor, num_bits, unsigned: bool) -> torch.Tensor:
+    """``fake_tensor_quant(c, amax) - c`` for every candidate: ``c (..., 1, M)``, ``amax (..., K, 1)`` (> 0).
+
+    The same float32 operations as ``lq._reference.fake_quant`` (``scaled_e4m3`` for FP8), in place.
+    """
     if num_bits == (4, 3):
-        return _reference.scaled_e4m3(c, amax)
-    return _reference.fake_quant(c, amax, num_bits, unsigned, True)
+        return _reference.scaled_e4m3(c, amax) - c
+    _, max_bound = _reference.int_bounds(num_bits, unsigned, True)
+    scale = max_bound / amax
+    q = (c * scale).round_().clamp_(-max_bound, max_bound)
+    return q.div_(scale).sub_(c)
 
 
-def compute_amax_mse(counts, width, num_bits=8, unsigned=False, stride=1, start_bin=128) -> torch.Tensor:
+def _compute_amax_mse_impl(counts, width, num_bits=8, unsigned=False, stride=1, start_bin=128) -> torch.Tensor:
     """amax minimizing the histogram-weighted squared fake-quantization error of the bin centers.
 
     Candidates ``amax = centers[i]``, ``i in range(start_bin, N, stride)``;
-    error of every center under every candidate at once (chunked), in the
-    same float32 arithmetic as ``fake_tensor_quant`` (or ``scaled_e4m3`` for
-    ``num_bits=(4, 3)``), weighted sums in float64. First minimum wins.
+    error of every (non-empty) center under every candidate at once, in
+    cache-sized chunks, with the float32 arithmetic of ``fake_tensor_quant``
+    (``scaled_e4m3`` for ``num_bits=(4, 3)``); weighted sums in float64.
+    First minimum wins. Returns float64 amax, ``(C,)`` (or a scalar).
     """
     squeeze = torch.as_tensor(counts).dim() == 1
     b, w = _as_2d(torch.as_tensor(counts), width)
@@ -182,33 +216,32 @@ def compute_amax_mse(counts, width, num_bits=8, unsigned=False, stride=1, start_
     cand = torch.arange(start_bin, N, stride, device=dev)
     if cand.numel() == 0:
         raise ValueError(f"no mse candidates: start_bin={start_bin} must be < num_bins={N}")
-    # centers (2j + 1) * w / 2, exact in float32 like (edges[1:] + edges[:-1]) / 2
-    half_w = (w / 2).float().reshape(C, 1)
-    # keep only the bins that hold data (padded per row; padding has weight 0)
+    K = cand.numel()
+    # centers (2j + 1) * w / 2: exact in float32, equal to (edges[1:] + edges[:-1]) / 2
+    empty_row = w <= 0
+    half_w = torch.where(empty_row, torch.ones_like(w), w / 2).float().reshape(C, 1)
+    # keep only bins that hold data (padded per row with weight 0)
     nz = b > 0
     M = max(1, int(nz.sum(1).max()))
-    order = torch.argsort((~nz).to(torch.int8), dim=1, stable=True)[:, :M]  # non-empty bins first
+    order = torch.argsort((~nz).to(torch.int8), dim=1, stable=True)[:, :M]
     weights = b.gather(1, order)  # (C, M) float64
     centers = (2 * order + 1).float() * half_w  # (C, M) float32
     amax_c = (2 * cand + 1).float().reshape(1, -1) * half_w  # (C, K) float32
-    out = torch.empty(C, cand.numel(), dtype=torch.float64, device=dev)
-    K = cand.numel()
-    rows = max(1, _CHUNK_ELEMS // (K * M))
-    kstep = K if _CHUNK_ELEMS >= K * M else max(1, _CHUNK_ELEMS // M)
-    for c0 in range(0, C, rows):
-        c1 = min(C, c0 + rows)
-        cc = centers[c0:c1].unsqueeze(1)  # (c, 1, M)
+    out = torch.empty(C, K, dtype=torch.float64, device=dev)
+    kstep = max(1, _MSE_CHUNK // M)
+    for c in range(C):
+        cc = centers[c].reshape(1, M)
+        wc = weights[c]
         for k0 in range(0, K, kstep):
-            a = amax_c[c0:c1, k0:k0 + kstep].unsqueeze(2)  # (c, k, 1)
-            err = _fake_quant_rows(cc, a, num_bits, unsigned) - cc  # (c, k, M) float32
-            out[c0:c1, k0:k0 + kstep] = torch.einsum("ckm,cm->ck", err.double().square_(), weights[c0:c1])
+            err = _fake_quant_candidates(cc, amax_c[c, k0:k0 + kstep].reshape(-1, 1), num_bits, unsigned)
+            out[c, k0:k0 + kstep] = err.double().square_() @ wc
     best = torch.argmin(out, dim=1)  # first minimum
     amax = amax_c.double().gather(1, best.reshape(-1, 1)).squeeze(1)
-    amax = torch.where(b.sum(1) > 0, amax, torch.zeros_like(amax))
+    amax = torch.where(empty_row | (b.sum(1) <= 0), torch.zeros_like(amax), amax)
     return amax[0] if squeeze else amax
 
 
-def compute_amax_percentile(counts, width, percentile=99.99) -> torch.Tensor:
+def _compute_amax_percentile_impl(counts, width, percentile=99.99) -> torch.Tensor:
     """Right edge of the first bin where the CDF of ``counts`` reaches ``percentile`` %."""
     squeeze = torch.as_tensor(counts).dim() == 1
     b, w = _as_2d(torch.as_tensor(counts), width)
@@ -220,6 +253,26 @@ def compute_amax_percentile(counts, width, percentile=99.99) -> torch.Tensor:
     amax = (idx + 1).double() * w
     amax = torch.where(total.squeeze(1) > 0, amax, torch.zeros_like(amax))
     return amax[0] if squeeze else amax
+
+
+def compute_amax_entropy(counts, width, num_bits=8, unsigned=False, stride=1, start_bin=128) -> torch.Tensor:
+    with _serial_cpu(torch.as_tensor(counts).device):
+        return _compute_amax_entropy_impl(counts, width, num_bits, unsigned, stride, start_bin)
+
+
+def compute_amax_mse(counts, width, num_bits=8, unsigned=False, stride=1, start_bin=128) -> torch.Tensor:
+    with _serial_cpu(torch.as_tensor(counts).device):
+        return _compute_amax_mse_impl(counts, width, num_bits, unsigned, stride, start_bin)
+
+
+def compute_amax_percentile(counts, width, percentile=99.99) -> torch.Tensor:
+    with _serial_cpu(torch.as_tensor(counts).device):
+        return _compute_amax_percentile_impl(counts, width, percentile)
+
+
+compute_amax_entropy.__doc__ = _compute_amax_entropy_impl.__doc__
+compute_amax_mse.__doc__ = _compute_amax_mse_impl.__doc__
+compute_amax_percentile.__doc__ = _compute_amax_percentile_impl.__doc__
 
 
 # ====================================================================== calibrator
@@ -359,12 +412,19 @@ class HistogramCalibrator(_Calibrator):
             raise ValueError(f"calibration method {method!r} is not supported: one of {HIST_METHODS}")
         if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
             raise ValueError(f"stride must be a positive int, got {stride!r}")
-        if isinstance(start_bin, bool) or not isinstance(start_bin, int) or not 0 <= start_bin < self._num_bins:
-            raise ValueError(f"start_bin must be an int in [0, {self._num_bins}), got {start_bin!r}")
+        if method in ("entropy", "mse"):
+            hi = self._num_bins if method == "entropy" else self._num_bins - 1
+            if isinstance(start_bin, bool) or not isinstance(start_bin, int) or not 0 <= start_bin <= hi:
+                raise ValueError(f"start_bin must be an int in [0, {hi}] for {method} with num_bins="
+                                 f"{self._num_bins}, got {start_bin!r}")
         if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
             raise ValueError(f"percentile must be in (0, 100], got {percentile!r}")
         if self._counts is None:
             return None
+        with _serial_cpu(self._counts.device):
+            return self._compute_amax(method, stride, start_bin, percentile)
+
+    def _compute_amax(self, method, stride, start_bin, percentile):
         width = self._range.double() / self._num_bins
         if method == "max":
             amax = self._absmax.double()

@@ -39,7 +39,7 @@ class QuantSwap(L.Callback):
         from lq.nn.modules.tensor_quantizer import name_quantizers
 
         q = self.quant
-        overrides = {}
+        overrides = self._transposed_conv_overrides(model)
         for glob, per in q.overrides.items():
             overrides[glob] = {}
             for role in per:
@@ -56,6 +56,22 @@ class QuantSwap(L.Callback):
         name_quantizers(model, overwrite=True)
         self._apply_enabled(model)
         return summary
+
+    def _transposed_conv_overrides(self, model) -> dict:
+        """Per-channel weights of ConvTranspose layers live on axis 1 (weights are (in, out, k...)).
+
+        The recipe's ``axis: [0]`` means "per output channel"; for transposed convolutions that is
+        axis 1, so those layers get their own descriptor (user overrides still apply after this).
+        """
+        from torch import nn
+
+        w = self.quant.weight
+        if w.axis != [0]:
+            return {}
+        kinds = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)  # quantized ones subclass these
+        desc = replace(w, axis=[1]).to_descriptor()
+        return {name: {"weight": desc} for name, m in model.named_modules()
+                if isinstance(m, kinds) and name and self.quant.selects(name)}
 
     def _apply_enabled(self, model) -> None:
         """Turn off the quantizers whose config says ``enabled: false`` (e.g. weight-only recipes)."""

@@ -134,6 +134,11 @@ class QuantMultiheadAttention(nn.MultiheadAttention, QuantMixin):
                 "Need attn_mask if specifying the is_causal hint. You may use the Transformer module "
                 "method `generate_square_subsequent_mask` to create this mask."
             )
+        # like torch: with no key padding mask and no weights requested, is_causal means a causal
+        # mask over the final key length (bias_k / zero attention included) instead of attn_mask
+        causal_only = is_causal and key_padding_mask is None and not need_weights
+        if causal_only:
+            attn_mask = None
         key_is_query, value_is_key = key is query, value is key
         batched = query.dim() == 3
         if not batched:
@@ -149,7 +154,9 @@ class QuantMultiheadAttention(nn.MultiheadAttention, QuantMixin):
         if E != self.embed_dim:
             raise AssertionError(f"was expecting embedding dimension of {self.embed_dim}, but got {E}")
         if key.shape[:2] != value.shape[:2]:
-            raise AssertionError(f"key's sequence and batch dims {key.shape[:2]} do not match value's {value.shape[:2]}")
+            raise AssertionError(
+                f"key's sequence and batch dims {key.shape[:2]} do not match value's {value.shape[:2]}"
+            )
 
         # input projections on quantized inputs and weights
         qin = self._input_quantizer
@@ -198,6 +205,10 @@ class QuantMultiheadAttention(nn.MultiheadAttention, QuantMixin):
             am = F.pad(am, (0, 1)) if am is not None else None
             kpm = F.pad(kpm, (0, 1)) if kpm is not None else None
         S_full = k.shape[2]
+        if causal_only:
+            am = torch.zeros((L, S_full), dtype=q.dtype, device=q.device).masked_fill_(
+                torch.ones((L, S_full), dtype=torch.bool, device=q.device).triu(1), float("-inf")
+            ).unsqueeze(0)
 
         # attention: both matmuls see quantized inputs
         scores = torch.matmul(self._matmul_q_input_quantizer(q), self._matmul_k_input_quantizer(k).transpose(-2, -1))

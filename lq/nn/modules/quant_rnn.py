@@ -68,7 +68,8 @@ class QuantLSTMCell(nn.LSTMCell, QuantMixin):
             if not batched:
                 h, c = h.unsqueeze(0), c.unsqueeze(0)
         x_proj = F.linear(self._input_quantizer(x), self._weight_quantizer(self.weight_ih), self.bias_ih)
-        h, c = _lstm_gates(x_proj, self._hidden_quantizer(h), self._weight_hh_quantizer(self.weight_hh), self.bias_hh, c)
+        w_hh = self._weight_hh_quantizer(self.weight_hh)
+        h, c = _lstm_gates(x_proj, self._hidden_quantizer(h), w_hh, self.bias_hh, c)
         if not batched:
             h, c = h.squeeze(0), c.squeeze(0)
         return h, c
@@ -171,7 +172,9 @@ class QuantLSTM(nn.LSTM, QuantMixin):
                 x = x.transpose(0, 1)
             lengths = None
         if x.size(-1) != self.input_size:
-            raise RuntimeError(f"input.size(-1) must be equal to input_size. Expected {self.input_size}, got {x.size(-1)}")
+            raise RuntimeError(
+                f"input.size(-1) must be equal to input_size. Expected {self.input_size}, got {x.size(-1)}"
+            )
         T, B = x.shape[:2]
         n = self.num_layers * self._num_directions
         h_size = self.proj_size if self.proj_size > 0 else self.hidden_size

@@ -71,6 +71,8 @@ def _to_amax_tensor(value, device, what="amax") -> torch.Tensor:
 
 
 def _check_amax_values(t: torch.Tensor, name: str, what: str = "amax") -> None:
+    if t.is_meta:
+        return
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name}: {what} must be finite, got {_short(t)}")
     if bool((t < 0).any()):
@@ -85,6 +87,7 @@ def _valid_amax(t: torch.Tensor) -> bool:
 def _short(t: torch.Tensor | None, fmt: str = ".4f") -> str:
     if t is None:
         return "dynamic"
+    t = t.detach()
     if t.numel() == 0:
         return "None"
     if t.numel() == 1:
@@ -140,7 +143,7 @@ class TensorQuantizer(nn.Module):
         self._if_quant = if_quant
         self._if_clip = False
         self._if_calib = if_calib
-        self._device = torch.device("cpu")
+        self._device = torch.empty(0).device  # honours a ``with torch.device(...)`` context
 
         self.register_buffer("_amax", None)
         self.register_buffer("_min_range", None)
@@ -509,7 +512,9 @@ class TensorQuantizer(nn.Module):
             out = torch.fake_quantize_per_tensor_affine(
                 x, step.reshape(()), (-zp).reshape(()).to(torch.int32), int(qmin), int(qmax))
             return out.to(inputs.dtype)
-        return _tq.fake_affine_tensor_quant(inputs, lo, hi, self._num_bits)
+        # the op directly: min < max was validated by set_range, no data-dependent check while tracing
+        _checks.check_input(inputs)
+        return torch.ops.lq.fake_affine_quant(inputs, lo, hi, self._num_bits)
 
     def _quant_forward(self, inputs: torch.Tensor) -> torch.Tensor:
         if self._min_range is not None:

@@ -1,0 +1,259 @@
+"""ONNX export benchmark: lq's INT8 Q/DQ export vs the FP32 export vs onnxruntime's own static quantization.
+
+    python -m bench.onnx_export [--quick] [--threads N] [--repeats N]
+
+The network: a small ResNet-style CNN on 32x32 RGB inputs (conv-bn-relu stem,
+two residual blocks with the add quantized by ``QuantAdd``, a strided
+conv-bn-relu, global average pool, linear head), 32-64 channels. lq converts
+it with ``quantize_model`` (per-tensor int8 inputs, per-channel int8 weights;
+``--unsigned-relu`` uses unsigned quantizers where an input comes from a ReLU),
+calibrates with max on random batches and exports with ``lq.export.export_onnx``.
+The same float network is exported in FP32 and quantized by
+``onnxruntime.quantization.quantize_static`` (QDQ, per-channel, the reference).
+
+Prints median latencies at batch 1 and 32 (several timed runs, each the mean
+of many inferences), model sizes, speedups over FP32, and the INT8 kernels
+onnxruntime ran for each model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+
+import numpy as np
+import torch
+from torch import nn
+
+torch.set_flush_denormal(True)
+
+
+# =========================================================================== the network
+class Residual(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        from lq.nn import FloatAdd
+
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+        self.add = FloatAdd()
+        self.relu2 = nn.ReLU()
+
+    def forward(self, x):
+        y = self.relu1(self.bn1(self.conv1(x)))
+        return self.relu2(self.add(self.bn2(self.conv2(y)), x))
+
+
+class BenchCNN(nn.Module):
+    def __init__(self, c: int = 32, num_classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.block1 = Residual(c)
+        self.down = nn.Sequential(nn.Conv2d(c, 2 * c, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(2 * c),
+                                  nn.ReLU())
+        self.block2 = Residual(2 * c)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(2 * c, num_classes)
+
+    def forward(self, x):
+        x = self.block2(self.down(self.block1(self.stem(x))))
+        return self.head(torch.flatten(self.pool(x), 1))
+
+
+def randomize_bn(model: nn.Module, seed: int = 0) -> None:
+    """Give BatchNorm layers trained-looking statistics (so folding is not the identity)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                n = m.num_features
+                m.weight.copy_(0.5 + torch.rand(n, generator=g))
+                m.bias.copy_(0.1 * torch.randn(n, generator=g))
+                m.running_mean.copy_(0.1 * torch.randn(n, generator=g))
+                m.running_var.copy_(0.5 + torch.rand(n, generator=g))
+
+
+def calibration_batches(n: int = 8, batch: int = 32, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, 3, 32, 32, generator=g) for _ in range(n)]
+
+
+def quantize_and_calibrate(model: nn.Module, batches, unsigned_relu: bool = False) -> nn.Module:
+    """lq's PTQ: quantize_model + max calibration (per-tensor inputs, per-channel weights)."""
+    from lq.calibration import calibrate_model
+    from lq.convert import quantize_model
+
+    overrides = None
+    if unsigned_relu:
+        # inputs that read a ReLU output: unsigned int8 (uint8), which onnxruntime fuses with the ReLU
+        u8 = {"input": {"num_bits": 8, "unsigned": True}}
+        overrides = {"block1.conv1": u8, "block1.conv2": u8, "down.0": u8, "block2.conv1": u8,
+                     "block2.conv2": u8, "pool": u8, "head": u8}
+    quantize_model(model, overrides=overrides)
+    model.eval()
+    with torch.no_grad():
+        calibrate_model(model, batches, method="max")
+    return model
+
+
+# =========================================================================== timing
+def latencies_ms(paths: dict, batch: int, threads: int, repeats: int, min_time: float) -> dict:
+    """Median ms per inference of each model; the models take turns within every repeat, so load from
+    other processes hits all of them alike."""
+    from lq.export._verify import make_session
+
+    x = np.random.default_rng(0).standard_normal((batch, 3, 32, 32)).astype(np.float32)
+    sessions = {}
+    for key, p in paths.items():
+        sess = make_session(p, intra_op_num_threads=threads or None)
+        name = sess.get_inputs()[0].name
+        for _ in range(3):
+            sess.run(None, {name: x})
+        n = 1
+        while True:  # inner loop long enough to be measurable
+            t = time.perf_counter()
+            for _ in range(n):
+                sess.run(None, {name: x})
+            if time.perf_counter() - t >= min_time:
+                break
+            n *= 2
+        sessions[key] = (sess, name, n)
+    times: dict = {k: [] for k in paths}
+    for _ in range(repeats):
+        for key, (sess, name, n) in sessions.items():
+            t = time.perf_counter()
+            for _ in range(n):
+                sess.run(None, {name: x})
+            times[key].append((time.perf_counter() - t) / n * 1000)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def ort_int8_ops(path: str) -> str:
+    from lq.export import INT8_KERNELS, optimized_op_counts
+
+    c = optimized_op_counts(path)
+    ints = {k: v for k, v in c.items() if k in INT8_KERNELS}
+    floats = {k: v for k, v in c.items() if k in ("Conv", "FusedConv", "Gemm", "MatMul", "Add")}
+    s = ", ".join(f"{k} x{v}" for k, v in sorted(ints.items()))
+    if floats:
+        s += " | float: " + ", ".join(f"{k} x{v}" for k, v in sorted(floats.items()))
+    return s or "-"
+
+
+def ort_quantize_static(fp32_path: str, out_path: str, batches) -> None:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter([{"input": b.numpy()} for b in batches])
+
+        def get_next(self):
+            return next(self.it, None)
+
+    pre = out_path + ".pre.onnx"
+    try:
+        quant_pre_process(fp32_path, pre, skip_symbolic_shape=True)
+        src = pre
+    except Exception:
+        src = fp32_path
+    quantize_static(src, out_path, Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    if os.path.exists(pre):
+        os.remove(pre)
+
+
+def export_fp32(model: nn.Module, path: str) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model.eval(), (torch.randn(1, 3, 32, 32),), path, dynamo=False, opset_version=17,
+                          input_names=["input"], output_names=["output"],
+                          dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: all cores)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed runs per measurement (median reported)")
+    ap.add_argument("--min-time", type=float, default=0.2, help="seconds per timed run")
+    ap.add_argument("--channels", type=int, default=32)
+    ap.add_argument("--unsigned-relu", action="store_true", help="unsigned quantizers on ReLU outputs")
+    ap.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
+    ap.add_argument("--dynamo", type=int, default=1, help="1: current torch.onnx exporter, 0: legacy")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.repeats, args.min_time = 3, 0.05
+
+    import copy
+
+    from lq.export import export_onnx
+
+    torch.manual_seed(0)
+    float_model = BenchCNN(args.channels)
+    randomize_bn(float_model)
+    float_model.eval()
+    batches = calibration_batches()
+
+    with tempfile.TemporaryDirectory() as d:
+        fp32 = os.path.join(d, "fp32.onnx")
+        lq8 = os.path.join(d, "lq_int8.onnx")
+        ort8 = os.path.join(d, "ort_int8.onnx")
+        export_fp32(float_model, fp32)
+        qmodel = quantize_and_calibrate(copy.deepcopy(float_model), batches, unsigned_relu=args.unsigned_relu)
+        t = time.perf_counter()
+        res = export_onnx(qmodel, batches[0], lq8, dynamo=bool(args.dynamo))
+        t_export = time.perf_counter() - t
+        ort_quantize_static(fp32, ort8, batches)
+
+        # accuracy of each INT8 model against its own reference
+        from lq.export._verify import make_session
+
+        x = batches[-1].numpy()
+        ref_fp32 = float_model(batches[-1]).detach().numpy()
+        out = {}
+        for name, p in (("fp32", fp32), ("lq", lq8), ("ort", ort8)):
+            out[name] = make_session(p).run(None, {"input": x})[0]
+
+        models = {"FP32 export": fp32, "lq INT8 (export_onnx)": lq8, "ORT quantize_static INT8": ort8}
+        l1 = latencies_ms(models, 1, args.threads, args.repeats, args.min_time)
+        l32 = latencies_ms(models, 32, args.threads, args.repeats, args.min_time)
+        lat = {k: (l1[k], l32[k]) for k in models}
+        rows = [(k, l1[k], l32[k], os.path.getsize(p) / 1024, ort_int8_ops(p)) for k, p in models.items()]
+
+        print(f"bench.onnx_export: BenchCNN(c={args.channels}) 32x32x3, onnxruntime "
+              f"{__import__('onnxruntime').__version__} CPU, threads={args.threads or os.cpu_count()}, "
+              f"median of {args.repeats} runs")
+        print(f"lq export: {t_export:.2f} s ({'dynamo' if args.dynamo else 'legacy'}), max |ORT - PyTorch fake-quant| "
+              f"= {res.max_abs_diff:.3g} (tolerance {res.tolerance:.3g}), BN folded: "
+              f"{sum(1 for f in res.folded_bn if not f.skipped)}")
+        print(f"agreement with FP32 on a held-out batch: lq INT8 max|diff| {np.abs(out['lq'] - ref_fp32).max():.3g}, "
+              f"argmax match {np.mean(out['lq'].argmax(1) == ref_fp32.argmax(1)):.1%}; ORT INT8 max|diff| "
+              f"{np.abs(out['ort'] - ref_fp32).max():.3g}, argmax match "
+              f"{np.mean(out['ort'].argmax(1) == ref_fp32.argmax(1)):.1%}")
+        print()
+        hdr = f"{'model':<27}{'batch 1 ms':>11}{'batch 32 ms':>13}{'speedup b1':>12}{'speedup b32':>13}{'size KiB':>10}  INT8 kernels"
+        print(hdr)
+        print("-" * len(hdr))
+        b1, b32 = lat["FP32 export"]
+        for name, l1, l32, size, ops in rows:
+            print(f"{name:<27}{l1:>11.3f}{l32:>13.3f}{b1 / l1:>11.2f}x{b32 / l32:>12.2f}x{size:>10.1f}  {ops}")
+        lq32 = lat["lq INT8 (export_onnx)"][1]
+        ort32 = lat["ORT quantize_static INT8"][1]
+        print()
+        print(f"lq INT8 vs FP32 at batch 32: {b32 / lq32:.2f}x (target >= 2.5x); "
+              f"ORT quantize_static: {b32 / ort32:.2f}x; lq / ORT-static speed: {ort32 / lq32:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

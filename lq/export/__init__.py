@@ -1,0 +1,37 @@
+"""ONNX export of fake-quantized models: QuantizeLinear/DequantizeLinear that TensorRT and onnxruntime run in INT8.
+
+``export_onnx(model, sample_input, "model.onnx")`` exports a deep copy of the
+model (the model itself is not touched) with the current ``torch.onnx``
+exporter (or the legacy one, ``dynamo=False``), lowers every lq quantizer to
+Q/DQ with constant scales, folds BatchNorm into the convolutions, places the
+Q/DQ pairs where onnxruntime fuses them into QLinearConv / QLinearMatMul /
+QLinearAdd / QGemm, checks the model with ``onnx.checker`` and compares
+onnxruntime's output with PyTorch's on the sample. See :func:`export_onnx`.
+"""
+
+from lq.export._export import (
+    EXPORTERS,
+    TARGETS,
+    WEIGHT_FORMATS,
+    ExportResult,
+    VerificationError,
+    export_onnx,
+    find_uncalibrated_quantizers,
+)
+from lq.export._graph import ExportError, FoldRecord, QuantNodeInfo
+from lq.export._verify import INT8_KERNELS, optimized_op_counts
+
+__all__ = [
+    "export_onnx",
+    "ExportResult",
+    "ExportError",
+    "VerificationError",
+    "QuantNodeInfo",
+    "FoldRecord",
+    "find_uncalibrated_quantizers",
+    "optimized_op_counts",
+    "INT8_KERNELS",
+    "EXPORTERS",
+    "TARGETS",
+    "WEIGHT_FORMATS",
+]

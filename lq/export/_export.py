@@ -1,0 +1,516 @@
+"""``export_onnx``: a fake-quantized PyTorch model -> ONNX with QuantizeLinear/DequantizeLinear, verified."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import io
+import logging
+import os
+import tempfile
+import time
+import warnings
+from collections import Counter
+from typing import Any, Sequence
+
+import numpy as np
+import onnx
+import torch
+
+from lq.export import _graph, _symbolic, _verify
+from lq.export._graph import ExportError, FoldRecord, QuantNodeInfo
+
+log = logging.getLogger(__name__)
+
+EXPORTERS = ("dynamo", "legacy")
+TARGETS = ("onnxruntime", "tensorrt")
+WEIGHT_FORMATS = ("int8", "qdq")
+MIN_OPSET, MAX_OPSET = 13, 23
+_PROTECTED_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
+
+
+class VerificationError(ExportError):
+    """onnxruntime's output differs from PyTorch's fake-quant output by more than the tolerance."""
+
+
+@dataclasses.dataclass
+class ExportResult:
+    """What :func:`export_onnx` produced.
+
+    Attributes:
+        path: the ONNX file.
+        opset: its default-domain opset.
+        exporter: "dynamo" or "legacy".
+        max_abs_diff: max |onnxruntime - PyTorch fake-quant| on the sample (None when not verified).
+        tolerance: the allowed difference (``atol + rtol * max|PyTorch output|``).
+        providers: onnxruntime execution providers used for verification.
+        file_size: bytes of the ONNX file.
+        quantized: every quantized tensor (layer, weight/activation, dtype, axis, scale).
+        folded_bn: BatchNorm layers folded (and those that could not be, with the reason).
+        ort_ops: op types of the graph onnxruntime runs after its optimizations (fusion check).
+        qdq_nodes: number of QuantizeLinear / DequantizeLinear nodes in the saved graph.
+        warnings: anything worth knowing (fusions that could not happen, clipped weights ...).
+        export_seconds: wall time of the export (PyTorch -> ONNX -> rewrites), without verification.
+    """
+
+    path: str
+    opset: int
+    exporter: str
+    max_abs_diff: float | None
+    tolerance: float | None
+    providers: list[str]
+    file_size: int
+    quantized: list[QuantNodeInfo]
+    folded_bn: list[FoldRecord]
+    ort_ops: Counter
+    qdq_nodes: dict[str, int]
+    input_names: list[str]
+    output_names: list[str]
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    export_seconds: float = 0.0
+
+    @property
+    def quantized_layers(self) -> list[str]:
+        return sorted({q.layer for q in self.quantized})
+
+    @property
+    def int8_kernels(self) -> dict[str, int]:
+        """onnxruntime integer kernels in the optimized graph (QLinearConv, QLinearMatMul, QLinearAdd, QGemm ...)."""
+        return {k: v for k, v in self.ort_ops.items() if k in _verify.INT8_KERNELS}
+
+    def summary(self) -> str:
+        lines = [f"ONNX export: {self.path} ({self.file_size / 1024:.1f} KiB, opset {self.opset}, {self.exporter})"]
+        if self.max_abs_diff is not None:
+            lines.append(f"  onnxruntime vs PyTorch fake-quant: max abs diff {self.max_abs_diff:.3g} "
+                         f"(tolerance {self.tolerance:.3g}, providers {', '.join(self.providers)})")
+        lines.append(f"  Q/DQ nodes: {self.qdq_nodes}; quantized tensors: {len(self.quantized)}")
+        folded = [f.bn for f in self.folded_bn if f.skipped is None]
+        if folded:
+            lines.append(f"  BatchNorm folded: {', '.join(folded)}")
+        if self.int8_kernels:
+            lines.append("  onnxruntime INT8 kernels: " + ", ".join(f"{k} x{v}" for k, v in self.int8_kernels.items()))
+        for w in self.warnings:
+            lines.append(f"  warning: {w}")
+        return "\n".join(lines)
+
+    __str__ = summary
+
+
+# =========================================================================== checks on the PyTorch side
+def find_uncalibrated_quantizers(model: torch.nn.Module) -> list[str]:
+    """Names of enabled quantizers that would need an amax and have none."""
+    bad = []
+    for name, m in model.named_modules():
+        if not _is_quantizer(m):
+            continue
+        if not _quantizer_enabled(m):
+            continue
+        if _is_dynamic(m):
+            continue
+        if getattr(m, "amax", None) is None and getattr(m, "_min_range", None) is None:
+            bad.append(name or "<model>")
+    return bad
+
+
+def _is_quantizer(m) -> bool:
+    return type(m).__name__ in ("TensorQuantizer", "ScaledTensorQuantizer") or (
+        hasattr(m, "_if_quant") and hasattr(m, "num_bits") and hasattr(m, "amax"))
+
+
+def _quantizer_enabled(m) -> bool:
+    for attr in ("is_enabled", "enabled"):
+        v = getattr(m, attr, None)
+        if isinstance(v, bool):
+            if not v:
+                return False
+            break
+    if getattr(m, "_disabled", False):
+        return False
+    if getattr(m, "_if_quant", True) is False:
+        return False
+    return True
+
+
+def _is_dynamic(m) -> bool:
+    desc = getattr(m, "_quant_desc", None) or getattr(m, "quant_desc", None)
+    for obj in (m, desc):
+        if obj is None:
+            continue
+        d = getattr(obj, "dynamic", None)
+        if isinstance(d, bool) and d:
+            return True
+        if getattr(obj, "_dynamic", False) is True:
+            return True
+    bs = getattr(m, "block_sizes", None)
+    if isinstance(bs, dict) and bs.get("type") == "dynamic":
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def _export_mode(model: torch.nn.Module):
+    """Set quantizers' export flags (if the quantizer class has them) for the duration of the export."""
+    classes = {type(m) for _, m in model.named_modules() if _is_quantizer(m)}
+    saved = []
+    for cls in classes:
+        if hasattr(cls, "_lq_onnx_export"):
+            saved.append((cls, "_lq_onnx_export", cls._lq_onnx_export))
+            cls._lq_onnx_export = True
+    try:
+        yield
+    finally:
+        for cls, name, v in saved:
+            setattr(cls, name, v)
+
+
+# =========================================================================== helpers
+def _as_tuple(sample) -> tuple:
+    if isinstance(sample, torch.Tensor):
+        return (sample,)
+    if isinstance(sample, (tuple, list)):
+        return tuple(sample)
+    raise TypeError(f"sample_input must be a torch.Tensor or a tuple of tensors, got {type(sample).__name__}")
+
+
+def _flatten_out(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        res = []
+        for o in out:
+            res.extend(_flatten_out(o))
+        return res
+    if isinstance(out, dict):
+        res = []
+        for o in out.values():
+            res.extend(_flatten_out(o))
+        return res
+    raise TypeError(f"model output of type {type(out).__name__} is not supported (tensors, tuples, dicts)")
+
+
+def _choose_opset(opset, model_has_fp8: bool) -> int:
+    if opset is None:
+        return 19 if model_has_fp8 else 17
+    if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ValueError(f"opset={opset!r} is not allowed: expected an int in [{MIN_OPSET}, {MAX_OPSET}] "
+                         "(>= 13 for per-channel axis, >= 19 for FP8, >= 21 for blocked Q/DQ)")
+    return opset
+
+
+def _model_has_fp8(model) -> bool:
+    for _, m in model.named_modules():
+        if _is_quantizer(m) and getattr(m, "num_bits", None) == (4, 3) and _quantizer_enabled(m):
+            return True
+    return False
+
+
+def _export_dynamo(model, args, opset, input_names, output_names, dynamic_batch) -> onnx.ModelProto:
+    table = _symbolic.translation_table()
+    kw: dict[str, Any] = {}
+    if dynamic_batch:
+        batch = torch.export.Dim("batch", min=1)
+        kw["dynamic_shapes"] = tuple({0: batch} if a.dim() > 0 else None for a in args)
+    with warnings.catch_warnings(), _quiet_torch_onnx():
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(model, args, dynamo=True, opset_version=max(opset, 18),
+                                 custom_translation_table=table, input_names=input_names,
+                                 output_names=output_names, optimize=True, verbose=False, **kw)
+    m = prog.model_proto
+    return m
+
+
+def _export_legacy(model, args, opset, input_names, output_names, dynamic_batch) -> onnx.ModelProto:
+    _symbolic.register_legacy_symbolics()
+    kw: dict[str, Any] = {}
+    if dynamic_batch:
+        kw["dynamic_axes"] = {n: {0: "batch"} for n in list(input_names) + list(output_names)}
+    buf = io.BytesIO()
+    with warnings.catch_warnings(), _quiet_torch_onnx():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, args, buf, dynamo=False, opset_version=min(opset, 20), input_names=input_names,
+                          output_names=output_names, do_constant_folding=True,
+                          custom_opsets={_symbolic.DOMAIN: _symbolic.VERSION}, **kw)
+    return onnx.load_from_string(buf.getvalue())
+
+
+@contextlib.contextmanager
+def _quiet_torch_onnx():
+    names = ["torch.onnx", "torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes", "onnxscript"]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+def _set_opset(model: onnx.ModelProto, opset: int, notes: list[str]) -> tuple[onnx.ModelProto, int]:
+    """Convert to ``opset`` when the exporter produced another one (the current exporter emits >= 18)."""
+    cur = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), opset)
+    if cur == opset:
+        return model, opset
+    from onnx import version_converter
+
+    try:
+        converted = version_converter.convert_version(model, opset)
+        onnx.checker.check_model(converted)
+        return converted, opset
+    except Exception as e:
+        notes.append(f"the exported graph has opset {cur}: conversion to the requested opset {opset} failed "
+                     f"({type(e).__name__}); the current torch.onnx exporter emits opset >= 18, use "
+                     f"dynamo=False for an older opset")
+        return model, cur
+
+
+def _count_qdq(model: onnx.ModelProto) -> dict[str, int]:
+    c = Counter(n.op_type for n in model.graph.node)
+    return {"QuantizeLinear": c.get("QuantizeLinear", 0), "DequantizeLinear": c.get("DequantizeLinear", 0)}
+
+
+def _atomic_save(model: onnx.ModelProto, path: str) -> None:
+    d = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".lq-export-", suffix=".onnx", dir=d)
+    os.close(fd)
+    try:
+        onnx.save_model(model, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# =========================================================================== the API
+def export_onnx(
+    model: torch.nn.Module,
+    sample_input,
+    path: str | os.PathLike,
+    *,
+    opset: int | None = None,
+    dynamo: bool = True,
+    fold_bn: bool = True,
+    check: bool = True,
+    verify: bool = True,
+    rtol: float = 0.0,
+    atol: float | None = None,
+    tolerance: float | None = None,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    dynamic_batch: bool = True,
+    target: str = "onnxruntime",
+    weight_format: str | None = None,
+    providers: Sequence[str] | None = None,
+    check_fusion: bool = True,
+    keep_metadata: bool = False,
+) -> ExportResult:
+    """Export a fake-quantized model to ONNX with QuantizeLinear/DequantizeLinear, check and verify it.
+
+    The model is never modified: the export works on a deep copy in eval mode
+    (so training, checkpointing and testing can go on afterwards).
+
+    Args:
+        model: a ``torch.nn.Module`` (a LightningModule is fine) whose quantizers are calibrated.
+        sample_input: a tensor (or tuple of tensors) to trace with and to verify on.
+        path: the ``.onnx`` file to write (written only once the export succeeded).
+
+    Keyword Args:
+        opset: default-domain opset, 13..23 (None: 17, or 19 when the model has FP8 quantizers).
+            Per-channel needs >= 13, FP8 (float8e4m3fn) >= 19, blocked Q/DQ >= 21.
+        dynamo: True for the current ``torch.onnx`` exporter, False for the legacy TorchScript one.
+        fold_bn: fold BatchNorm into the preceding Conv/Gemm (exactly: per-channel weight scales
+            absorb ``|gamma / sqrt(var + eps)|``).
+        check: run ``onnx.checker.check_model``.
+        verify: run the model in onnxruntime on ``sample_input`` and compare with the PyTorch
+            fake-quant output; raise :class:`VerificationError` beyond the tolerance.
+        rtol, atol: allowed ``max|ort - torch| <= atol + rtol * max|torch|``; ``tolerance`` is an
+            alias of ``atol``. Default: ``atol = 0.05 * max|torch output|`` when neither is given
+            (a few quantization steps of the last layer).
+        input_names, output_names: graph input/output names (default ``input``, ``output``).
+        dynamic_batch: make dim 0 of inputs and outputs dynamic.
+        target: "onnxruntime" (Q/DQ placed for onnxruntime's QLinear* fusions; uint8 after ReLU) or
+            "tensorrt" (int8 with zero point 0 everywhere, as TensorRT requires).
+        weight_format: "int8" (quantized weights stored as int8 initializers + DequantizeLinear;
+            default for onnxruntime) or "qdq" (float weights + QuantizeLinear + DequantizeLinear;
+            default for TensorRT).
+        providers: onnxruntime execution providers for verification (default CPU, or CUDA when the
+            model is on a GPU and onnxruntime has it).
+        check_fusion: also build onnxruntime's optimized graph and report the fused INT8 kernels.
+        keep_metadata: keep the exporter's per-node metadata (PyTorch stack traces, module names).
+
+    Returns:
+        :class:`ExportResult`.
+
+    Raises:
+        ExportError: uncalibrated quantizers (named), configurations ONNX cannot express (named, with what is
+            allowed), checker failures. :class:`VerificationError` when the difference exceeds the tolerance
+            (the model is then saved next to ``path`` as ``*.unverified.onnx`` and ``path`` is left alone).
+    """
+    t0 = time.perf_counter()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    path = os.fspath(path)
+    if not path.endswith(".onnx"):
+        if path.endswith(_PROTECTED_SUFFIXES):
+            raise ValueError(f"path={path!r} looks like a checkpoint/weights file; refusing to overwrite it: "
+                             "give a path ending in .onnx")
+        raise ValueError(f"path={path!r} must end in .onnx")
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r} is not allowed: one of {TARGETS}")
+    if weight_format is None:
+        weight_format = "int8" if target == "onnxruntime" else "qdq"
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format={weight_format!r} is not allowed: one of {WEIGHT_FORMATS}")
+    if tolerance is not None and atol is not None:
+        raise ValueError("give either tolerance or atol (they are the same), not both")
+    if tolerance is not None:
+        atol = tolerance
+    for nm, v in (("rtol", rtol), ("atol", atol)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+            raise ValueError(f"{nm}={v!r} is not allowed: expected a float >= 0")
+    opset = _choose_opset(opset, _model_has_fp8(model))
+
+    bad = find_uncalibrated_quantizers(model)
+    if bad:
+        raise ExportError(
+            f"{len(bad)} enabled quantizer(s) have no amax (not calibrated): {', '.join(bad)}. "
+            "Calibrate them first (or load a calibrated state_dict, set a fixed amax in the QuantDescriptor, "
+            "or disable them) before exporting.")
+
+    args = tuple(a.detach().cpu().float() if isinstance(a, torch.Tensor) and a.is_floating_point() else
+                 (a.detach().cpu() if isinstance(a, torch.Tensor) else a) for a in _as_tuple(sample_input))
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+
+    # --- deep copy: the training model is never touched
+    work = copy.deepcopy(model)
+    work = work.cpu().float().eval()
+    for p in work.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad(), _export_mode(work):
+        ref_out = [o.detach().float().numpy() for o in _flatten_out(work(*args))]
+    n_in = len([a for a in args if isinstance(a, torch.Tensor)])
+    input_names = list(input_names) if input_names else (["input"] if n_in == 1 else [f"input_{i}" for i in range(n_in)])
+    output_names = list(output_names) if output_names else (
+        ["output"] if len(ref_out) == 1 else [f"output_{i}" for i in range(len(ref_out))])
+
+    exporter = "dynamo" if dynamo else "legacy"
+    try:
+        with torch.no_grad(), _export_mode(work):
+            if dynamo:
+                proto = _export_dynamo(work, args, opset, input_names, output_names, dynamic_batch)
+            else:
+                proto = _export_legacy(work, args, opset, input_names, output_names, dynamic_batch)
+    except ExportError:
+        raise
+    except Exception as e:
+        raise ExportError(f"torch.onnx export ({exporter}) failed: {type(e).__name__}: {_short(e)}") from e
+
+    # --- graph rewrites
+    g = _graph.Graph(proto)
+    infos: list[QuantNodeInfo] = []
+    notes: list[str] = []
+    _graph.fold_constants(g)
+    _graph.lower_placeholders(g, _graph.LowerOptions(opset=opset, weight_format=weight_format,
+                                                     activation_dtype="uint8" if target == "onnxruntime" else "int8"), infos)
+    _graph.fold_weight_quantize(g)
+    folds: list[FoldRecord] = []
+    if fold_bn:
+        folds = _graph.fold_batchnorm(g)
+        for f in folds:
+            if f.skipped:
+                notes.append(f"BatchNorm '{f.bn}' not folded into '{f.layer}': {f.skipped}")
+            if f.clipped:
+                notes.append(f"folding '{f.bn}' flipped the sign of {f.clipped} weight(s) at -128, clipped to 127")
+    _graph.transpose_weight_dq(g)
+    if target == "onnxruntime":
+        _graph.dedupe_quantizers(g)
+        _graph.split_shared_producers(g)
+        _graph.hoist_quantizers(g, relu_to_unsigned=True)
+        _graph.quantize_bias(g)
+    _graph.dedupe_quantizers(g)
+    if weight_format == "qdq":
+        _graph.weights_to_qdq(g)
+    proto = g.finalize()
+    ranks = _graph.value_ranks(proto)
+    g = _graph.Graph(proto)
+    if _graph.global_pools(g, ranks):
+        proto = g.finalize()
+    if not keep_metadata:
+        _graph.strip_metadata(proto)
+    _graph.remove_placeholder_opset(proto)
+    proto, opset = _set_opset(proto, opset, notes)
+    if any(n.domain == _symbolic.DOMAIN for n in proto.graph.node):  # pragma: no cover - defensive
+        raise ExportError("internal error: an lq placeholder was left in the graph")
+    if target == "tensorrt":
+        u8 = sorted({q.layer for q in infos if q.dtype == "uint8" and q.kind == "activation"})
+        if u8:
+            notes.append(f"TensorRT supports only int8 Q/DQ; unsigned (uint8) quantizers: {', '.join(u8)}")
+    proto.producer_name = "lq.export"
+    if check:
+        try:
+            onnx.checker.check_model(proto, full_check=True)
+        except Exception as e:
+            raise ExportError(f"onnx.checker rejected the exported model: {_short(e)}") from e
+    export_seconds = time.perf_counter() - t0
+
+    # --- verification (from the serialized model, as it will be deployed)
+    providers = list(providers) if providers else _verify.default_providers(device_type)
+    data = proto.SerializeToString()
+    max_diff = tol = None
+    ort_ops: Counter = Counter()
+    if verify:
+        try:
+            sess = _verify.make_session(data, providers)
+            ort_out = _verify.run(sess, [a.numpy() for a in args if isinstance(a, torch.Tensor)])
+        except Exception as e:
+            _save_unverified(proto, path)
+            raise ExportError(f"onnxruntime could not run the exported model: {_short(e)} "
+                              f"(saved as {_unverified(path)} for inspection)") from e
+        max_diff = _verify.max_abs_diff(ort_out, ref_out)
+        ref_max = max((float(np.abs(r).max()) for r in ref_out if r.size), default=0.0)
+        if atol is None and not rtol:
+            tol = 0.05 * ref_max + 1e-6
+        else:
+            tol = (atol or 0.0) + rtol * ref_max
+        if not max_diff <= tol:
+            _save_unverified(proto, path)
+            raise VerificationError(
+                f"onnxruntime output differs from the PyTorch fake-quant output by max abs diff {max_diff:.4g}, "
+                f"more than the tolerance {tol:.4g} (atol={atol}, rtol={rtol}, max|output|={ref_max:.4g}). "
+                f"The model was saved as {_unverified(path)}; {path} was not written.")
+    _atomic_save(proto, path)
+    if check_fusion:
+        try:
+            ort_ops = _verify.optimized_op_counts(path, providers)
+        except Exception as e:  # pragma: no cover - diagnostics only
+            notes.append(f"could not inspect onnxruntime's optimized graph: {_short(e)}")
+    if check_fusion and target == "onnxruntime" and ort_ops:
+        n_conv = sum(1 for n in proto.graph.node if n.op_type in ("Conv", "MatMul", "Gemm"))
+        n_fused = sum(ort_ops.get(k, 0) for k in ("QLinearConv", "QLinearMatMul", "QGemm", "MatMulIntegerToFloat"))
+        if ort_ops.get("Conv", 0) or ort_ops.get("FusedConv", 0):
+            notes.append(f"onnxruntime runs {ort_ops.get('Conv', 0) + ort_ops.get('FusedConv', 0)} conv(s) in float "
+                         f"({n_fused} of {n_conv} conv/matmul/gemm fused to INT8 kernels)")
+    return ExportResult(
+        path=path, opset=opset, exporter=exporter, max_abs_diff=max_diff, tolerance=tol, providers=providers,
+        file_size=os.path.getsize(path), quantized=infos, folded_bn=folds, ort_ops=ort_ops,
+        qdq_nodes=_count_qdq(proto), input_names=input_names, output_names=output_names, warnings=notes,
+        export_seconds=export_seconds)
+
+
+def _unverified(path: str) -> str:
+    return path[: -len(".onnx")] + ".unverified.onnx"
+
+
+def _save_unverified(proto, path):
+    try:
+        _atomic_save(proto, _unverified(path))
+    except Exception:  # pragma: no cover
+        pass
+
+
+def _short(e: BaseException, n: int = 1500) -> str:
+    s = str(e).strip()
+    return s if len(s) <= n else s[:n] + " ..."

@@ -1,0 +1,317 @@
+"""The Lightning callback suite on real data (scikit-learn digits), end to end."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ModelPruning
+
+import lq
+from lq.calibration import CalibrationError, calibrate_model
+from lq.config import CalibConfig, ExportConfig, Int4BlockWeightConfig, QATConfig, QuantConfig
+from lq.nn.modules.tensor_quantizer import TensorQuantizer, iter_quantizers
+from lq.zoo import DigitsDataModule, SmallCNN
+
+
+def _trainer(tmp_path, callbacks, max_epochs=1, **kw):
+    kw.setdefault("limit_train_batches", 4)
+    kw.setdefault("limit_val_batches", 2)
+    kw.setdefault("enable_checkpointing", False)
+    return L.Trainer(max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     default_root_dir=str(tmp_path), accelerator="cpu", callbacks=callbacks, **kw)
+
+
+def _model(seed=0):
+    L.seed_everything(seed)
+    return SmallCNN(channels=8, max_epochs_hint=2)
+
+
+def _no_export(**kw):
+    return lq.QuantCallback(export=ExportConfig(enabled=False), verbose=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def dm():
+    d = DigitsDataModule(batch_size=64)
+    d.setup()
+    return d
+
+
+def _amax(model):
+    return {n: q.amax.detach().clone() for n, q in iter_quantizers(model) if q.amax is not None}
+
+
+def test_first_input_amax_is_the_data_max(tmp_path, dm):
+    # digits are scaled to [0, 1] and some pixel is 16/16: max calibration over all batches gives exactly 1.0
+    model = _model()
+    cb = _no_export(calib=CalibConfig(method="max", num_batches=1000))
+    _trainer(tmp_path, [cb]).fit(model, datamodule=dm)
+    assert model.stem[0]._input_quantizer.amax.item() == 1.0
+    # the weight amax is the per-channel max |w| of the weights that calibration saw (frozen since then)
+    assert model.stem[0]._weight_quantizer.amax.shape == (8, 1, 1, 1)
+
+
+def test_swap_before_optimizers_learned_amax_trains(tmp_path, dm):
+    model = _model()
+    cb = _no_export(qat=QATConfig(learn_amax=True), calib=CalibConfig(num_batches=2))
+    seen = {}
+
+    class Spy(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            params = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
+            amaxes = [q.amax for _, q in iter_quantizers(pl_module) if q.learn_amax]
+            seen["in_optimizer"] = bool(amaxes) and all(id(a) in params for a in amaxes)
+            seen["after_calib"] = {n: q.amax.detach().clone() for n, q in iter_quantizers(pl_module) if q.learn_amax}
+
+    _trainer(tmp_path, [cb, Spy()], limit_train_batches=8).fit(model, datamodule=dm)
+    assert seen["in_optimizer"], "learned amax parameters must be created before configure_optimizers"
+    calibrated = seen["after_calib"]
+    assert calibrated["stem.0._input_quantizer"].item() == 1.0  # the data max of digits
+    assert all(v.item() != 1.0 for k, v in calibrated.items() if not k.startswith("stem.0")), \
+        "calibration must overwrite the initial amax (1.0) of learned quantizers"
+    after = {n: q.amax.detach() for n, q in iter_quantizers(model) if q.learn_amax}
+    assert any(not torch.equal(after[n], seen["after_calib"][n]) for n in after), "learned amax never moved"
+
+
+def test_frozen_amax_does_not_drift_and_fit_twice(tmp_path, dm):
+    model = _model()
+    cb = _no_export()
+    _trainer(tmp_path, [cb]).fit(model, datamodule=dm)
+    first = _amax(model)
+    n_quantizers = len(first)
+    _trainer(tmp_path, [cb]).fit(model, datamodule=dm)  # same callback, second fit
+    second = _amax(model)
+    assert second.keys() == first.keys() and len(list(iter_quantizers(model))) == n_quantizers
+    assert all(torch.equal(first[k], second[k]) for k in first), "frozen amax changed (or was recalibrated)"
+    assert not any(isinstance(m, TensorQuantizer) for q in model.modules() if isinstance(q, TensorQuantizer)
+                   for m in q.children())
+    assert all(v == 0.0 for v in cb.schedule.last_drift.values())
+
+
+def test_checkpoint_resume_reproduces_outputs_and_load_quantized(tmp_path, dm):
+    model = _model()
+    ckpt_cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    _trainer(tmp_path, [_no_export(), ckpt_cb], enable_checkpointing=True).fit(model, datamodule=dm)
+    x = dm.arrays("test")[0][:32]
+    model.eval()
+    expected = model(x)
+    path = ckpt_cb.last_model_path
+    assert "lq" in torch.load(path, weights_only=False)
+
+    # 1. with the callback: swap at setup, restore amax from the checkpoint, no recalibration
+    fresh = _model(seed=123)
+    cb = _no_export()
+    _trainer(tmp_path, [cb]).validate(fresh, datamodule=dm, ckpt_path=path, verbose=False)
+    fresh.eval()
+    assert torch.equal(fresh(x), expected)
+    assert cb.calibrate.last_amax == {}, "restored amax must not be recalibrated"
+
+    # 2. one call, no callback
+    loaded = lq.load_quantized(SmallCNN, path)
+    assert torch.equal(loaded(x), expected)
+
+    # 3. resume fit from the checkpoint: calibration is skipped, amax kept
+    resumed = _model(seed=7)
+    cb2 = _no_export()
+    _trainer(tmp_path, [cb2], max_epochs=2).fit(resumed, datamodule=dm, ckpt_path=path)
+    assert all(torch.equal(_amax(resumed)[k], v) for k, v in _amax(model).items())
+
+
+def test_export_parity_and_training_model_untouched(tmp_path, dm):
+    model = _model()
+    snap = {}
+
+    class Snap(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            snap["state"] = copy.deepcopy(pl_module.state_dict())
+            snap["modules"] = [type(m) for m in pl_module.modules()]
+
+    cb = lq.QuantCallback(export=ExportConfig(path="int8.onnx", tolerance=0.2), verbose=False)
+    trainer = _trainer(tmp_path, [Snap(), cb])
+    trainer.fit(model, datamodule=dm)
+    path = tmp_path / "int8.onnx"
+    assert path.exists() and cb.exporter.result.max_abs_diff <= 0.2
+    state = model.state_dict()
+    assert state.keys() == snap["state"].keys() and all(torch.equal(state[k], snap["state"][k]) for k in state)
+    assert [type(m) for m in model.modules()] == snap["modules"]
+
+    import onnxruntime as ort
+
+    x = dm.arrays("test")[0][:64]
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    model.eval()
+    ref = model(x).detach().numpy()
+    assert np.abs(got - ref).max() <= 0.2
+    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.95
+    # the module still tests fine from the trainer after export
+    assert trainer.test(model, datamodule=dm, verbose=False)[0]["test_acc"] > 0.3
+
+
+def test_export_error_keeps_weights_and_says_what_to_fix(tmp_path, dm, monkeypatch):
+    model = _model()
+    cb = lq.QuantCallback(export=ExportConfig(path="int8.onnx"), verbose=False)
+
+    def boom(*a, **k):
+        raise RuntimeError("unsupported operator Foo")
+
+    monkeypatch.setattr("lq.export.export_onnx", boom)
+    with pytest.raises(lq.callbacks.ExportFailed) as info:
+        _trainer(tmp_path, [cb]).fit(model, datamodule=dm)
+    msg = str(info.value)
+    assert "unsupported operator Foo" in msg and "lq_before_export.ckpt" in msg
+    saved = torch.load(tmp_path / "lq_before_export.ckpt", weights_only=False)
+    assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
+
+
+def test_composes_with_pruning_and_other_callbacks(tmp_path, dm):
+    model = _model()
+    cbs = [
+        _no_export(),
+        ModelPruning("l1_unstructured", amount=0.5, use_global_pruning=False, verbose=0),
+        EarlyStopping(monitor="val_loss", patience=3),
+        ModelCheckpoint(dirpath=tmp_path / "c"),
+    ]
+    _trainer(tmp_path, cbs, max_epochs=2, enable_checkpointing=True).fit(model, datamodule=dm)
+    w = model.stem[0].weight
+    assert float((w == 0).float().mean()) >= 0.4, "pruning did not apply to the quantized conv"
+    assert isinstance(model.stem[0], lq.nn.QuantConv2d)
+
+
+def test_weight_only_recipe_disables_input_quantizers(tmp_path, dm):
+    model = _model()
+    cb = lq.QuantCallback(quant=Int4BlockWeightConfig(), export=ExportConfig(enabled=False), verbose=False)
+    _trainer(tmp_path, [cb]).fit(model, datamodule=dm)
+    q = dict(iter_quantizers(model))
+    assert not q["head._input_quantizer"].is_enabled
+    assert q["head._weight_quantizer"].is_enabled and q["head._weight_quantizer"].num_bits == 4
+
+
+def test_cosine_lr_recipe(tmp_path, dm):
+    model = _model()
+    cb = _no_export(qat=QATConfig(lr_policy="cosine"))
+    lrs = []
+
+    class LR(L.Callback):
+        def on_train_batch_end(self, trainer, *a):
+            lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    _trainer(tmp_path, [cb, LR()], max_epochs=2).fit(model, datamodule=dm)
+    base = model.hparams.lr
+    assert lrs[0] == pytest.approx(base * 0.01)
+    assert all(a >= b for a, b in zip(lrs, lrs[1:])), "cosine schedule must decrease"
+    assert lrs[-1] == pytest.approx(cb.schedule.lr_at(base, 7 / 8))
+
+
+def test_freeze_bn_epoch(tmp_path, dm):
+    model = _model()
+    cb = _no_export(qat=QATConfig(freeze_bn_epoch=1))
+    stats = {}
+
+    class Spy(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            stats[trainer.current_epoch] = pl_module.stem[1].running_mean.clone()
+
+    _trainer(tmp_path, [cb, Spy()], max_epochs=3).fit(model, datamodule=dm)
+    assert not torch.equal(stats[0], torch.zeros_like(stats[0]))
+    assert torch.equal(stats[1], stats[2]), "BatchNorm statistics kept changing after freeze_bn_epoch"
+
+
+def test_empty_calibration_dataloader(tmp_path):
+    class EmptyVal(DigitsDataModule):
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.empty(0, 1, 8, 8)))
+
+    model = _model()
+    cb = _no_export(calib=CalibConfig(dataloader="val"))
+    with pytest.raises(CalibrationError, match="no batches"):
+        _trainer(tmp_path, [cb], limit_val_batches=0).fit(model, datamodule=EmptyVal())
+    with pytest.raises(CalibrationError, match="no batches"):
+        q = copy.deepcopy(_model())
+        lq.QuantSwap().swap(q)
+        calibrate_model(q, [])
+
+
+def test_ptq_only_through_validate(tmp_path, dm):
+    model = _model()
+    L.Trainer(max_epochs=3, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+              enable_model_summary=False, default_root_dir=str(tmp_path)).fit(model, datamodule=dm)
+    fp32 = copy.deepcopy(model)
+    cb = lq.QuantCallback(calib=CalibConfig(method="percentile", num_batches=4), export=ExportConfig(enabled=False),
+                          verbose=False)
+    trainer = _trainer(tmp_path, [cb], limit_val_batches=None)
+    first = trainer.validate(model, datamodule=dm, verbose=False)[0]["val_acc"]
+    assert cb.calibrate.calibrated
+    second = trainer.validate(model, datamodule=dm, verbose=False)[0]["val_acc"]
+    fp32_acc = L.Trainer(logger=False, enable_progress_bar=False).validate(fp32, datamodule=dm, verbose=False)[0][
+        "val_acc"]
+    assert first == pytest.approx(fp32_acc)  # the calibrating pass ran in floating point
+    assert abs(second - fp32_acc) <= 0.05
+    assert all(q.amax is not None for _, q in iter_quantizers(model) if q.is_enabled)
+
+
+def _ddp_worker(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_flush_denormal(True)
+    model = _model()
+    lq.QuantSwap().swap(model)
+    x, _ = DigitsDataModule().arrays("train")
+    shard = x[rank::world] * (1.0 + rank)  # different data per rank, different ranges
+    calibrate_model(model, torch.utils.data.DataLoader(shard, batch_size=64), method="entropy", num_bins=256)
+    torch.save(_amax(model), os.path.join(out_dir, f"amax{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ddp_two_processes_agree_on_global_amax(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_ddp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    a0 = torch.load(tmp_path / "amax0.pt")
+    a1 = torch.load(tmp_path / "amax1.pt")
+    assert a0.keys() == a1.keys() and all(torch.equal(a0[k], a1[k]) for k in a0)
+    # the same statistics gathered in one process over both shards give the same amax
+    x, _ = DigitsDataModule().arrays("train")
+    both = torch.cat([x[0::2] * 1.0, x[1::2] * 2.0])
+    model = _model()
+    lq.QuantSwap().swap(model)
+    calibrate_model(model, torch.utils.data.DataLoader(both, batch_size=64), method="entropy", num_bins=256)
+    single = _amax(model)
+    assert single["stem.0._input_quantizer"].item() > 1.0  # rank 1's doubled range reached everybody
+    for k in single:
+        torch.testing.assert_close(a0[k], single[k], rtol=1e-5, atol=1e-6)
+
+
+def test_lightning_cli_with_callback(tmp_path):
+    from lq.cli import lightning_cli
+
+    cli_args = [
+        "fit", "--model=lq.zoo.SmallCNN", "--model.channels=8", "--data=lq.zoo.DigitsDataModule",
+        "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+        "--trainer.logger=false", "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.callbacks+=lq.QuantCallback", "--trainer.callbacks.calib.method=percentile",
+        "--trainer.callbacks.export.enabled=false", "--trainer.callbacks.verbose=false",
+    ]
+    lightning_cli(cli_args)
+    cfg = (tmp_path / "lightning_logs").rglob("config.yaml")
+    text = next(iter(sorted(cfg))).read_text() if any(True for _ in (tmp_path / "lightning_logs").rglob("config.yaml")) \
+        else (tmp_path / "config.yaml").read_text()
+    assert "lq.QuantCallback" in text and "percentile" in text
+
+
+def test_bad_callback_config_fails_at_construction():
+    with pytest.raises(ValueError, match="CalibConfig.method='kl'"):
+        lq.QuantCallback(calib={"method": "kl"})
+    with pytest.raises(ValueError, match="unknown field"):
+        lq.QuantCallback(quant={"inputs": {}})
+    assert isinstance(lq.QuantCallback(quant=QuantConfig()).quant, QuantConfig)

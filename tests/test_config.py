@@ -1,0 +1,122 @@
+"""Config dataclasses: validation by name, recipes, Hydra composition, one source of truth."""
+
+from dataclasses import asdict, fields
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from lq import config as C
+from lq.tensor_quant import QuantDescriptor
+
+
+@pytest.mark.parametrize(
+    "build,words",
+    [
+        (lambda: C.CalibConfig(method="kl"), "CalibConfig.method='kl'"),
+        (lambda: C.CalibConfig(num_batches=0), "CalibConfig.num_batches"),
+        (lambda: C.CalibConfig(percentile=120), "CalibConfig.percentile"),
+        (lambda: C.CalibConfig(dataloader="test"), "['train', 'val']"),
+        (lambda: C.QATConfig(lr_policy="step"), "['none', 'cosine']"),
+        (lambda: C.QATConfig(lr_start_fraction=2.0), "lr_start_fraction"),
+        (lambda: C.QATConfig(freeze_bn_epoch=-1), "freeze_bn_epoch"),
+        (lambda: C.ExportConfig(exporter="tf"), "['dynamo', 'legacy']"),
+        (lambda: C.ExportConfig(opset=9), "opset"),
+        (lambda: C.ExportConfig(path="model.pt"), ".onnx"),
+        (lambda: C.QuantizerConfig(format="int3"), "['int', 'fp8_e4m3']"),
+        (lambda: C.QuantizerConfig(num_bits=1), "num_bits"),
+        (lambda: C.QuantizerConfig(axis=[0], block_size=32), "axis must be None"),
+        (lambda: C.QuantConfig(input={"bitz": 4}), "unknown field"),
+        (lambda: C.QuantConfig(overrides={"conv*": {"weight": {"bitz": 4}}}), "unknown field"),
+        (lambda: C.QuantConfig(overrides={"conv*": {"bias": {}}}), "overrides"),
+        (lambda: C.QuantConfig(include="conv*"), "include"),
+        (lambda: C.JobConfig(fp32_epochs=-1), "fp32_epochs"),
+    ],
+)
+def test_invalid_values_name_field_and_allowed(build, words):
+    with pytest.raises(ValueError) as info:
+        build()
+    assert words in str(info.value)
+
+
+def test_typo_in_field_name_is_rejected():
+    with pytest.raises(TypeError, match="methd"):
+        C.CalibConfig(methd="max")
+
+
+def test_quantizer_config_fields_map_onto_descriptor():
+    d = C.QuantizerConfig(num_bits=4, axis=[0], unsigned=True, narrow_range=False).to_descriptor("w")
+    assert d == QuantDescriptor(num_bits=4, axis=0, unsigned=True, narrow_range=False, name="w")
+    assert C.QuantizerConfig(format="fp8_e4m3").to_descriptor().num_bits == (4, 3)
+    b = C.QuantizerConfig(num_bits=4, block_size=32, scale_bits=8, block_type="dynamic").to_descriptor()
+    assert b.block_sizes == {-1: 32, "type": "dynamic", "scale_bits": 8}
+
+
+def test_recipes():
+    assert C.Int8PerTensorConfig().weight.axis is None
+    assert C.Int8PerChannelConfig().weight.axis == [0]
+    assert C.FP8Config().input.to_descriptor().num_bits == (4, 3)
+    r = C.Int4BlockWeightConfig()
+    assert not r.input.enabled and r.weight.num_bits == 4 and r.weight.block_size == 32
+    assert set(C.RECIPES) == {"int8_per_tensor", "int8_per_channel", "fp8", "int4_block_weight"}
+
+
+def test_overrides_and_globs():
+    q = C.QuantConfig(exclude=["head"], overrides={"stem.*": {"weight": {"num_bits": 4}}})
+    assert q.selects("stem.0") and not q.selects("head")
+    assert q.quantizer_for("stem.0", "weight").num_bits == 4
+    assert q.quantizer_for("block.conv1", "weight").num_bits == 8
+    c = C.CalibConfig(method="entropy", method_overrides={"head": "max"})
+    assert c.method_for("head") == "max" and c.method_for("stem.0") == "entropy"
+
+
+def _compose(overrides):
+    C.register_configs()
+    with initialize_config_module(config_module="lq.conf", version_base=None):
+        return compose("train", overrides=overrides + ["output_dir=unused"])
+
+
+@pytest.mark.parametrize("preset,cls", [("int8_per_tensor", C.Int8PerTensorConfig), ("fp8", C.FP8Config),
+                                        ("int4_block_weight", C.Int4BlockWeightConfig),
+                                        ("int8_per_channel", C.Int8PerChannelConfig)])
+def test_hydra_presets_build_the_dataclasses(preset, cls):
+    job = OmegaConf.to_object(_compose([f"quant={preset}", "calib=percentile", "qat=cosine"]))
+    assert isinstance(job, C.JobConfig) and type(job.quant) is cls
+    assert job.quant == cls()
+    assert job.calib.method == "percentile" and job.qat.lr_policy == "cosine"
+
+
+@pytest.mark.parametrize("method", ["max", "entropy", "percentile", "mse"])
+def test_hydra_calib_presets(method):
+    assert OmegaConf.to_object(_compose([f"calib={method}"])).calib.method == method
+
+
+def test_hydra_rejects_bad_values_and_typos():
+    with pytest.raises(ValueError, match="CalibConfig.method"):
+        OmegaConf.to_object(_compose(["calib.method=kl"]))
+    with pytest.raises(Exception, match="methd"):
+        _compose(["calib.methd=max"])
+    with pytest.raises(Exception, match="int8_per_tensor"):  # the error lists the presets
+        _compose(["quant=int5"])
+
+
+def test_hydra_defaults_equal_dataclass_defaults():
+    job = OmegaConf.to_object(_compose([]))
+    assert job.calib == C.CalibConfig() and job.qat == C.QATConfig() and job.export == C.ExportConfig()
+    assert job.quant == C.Int8PerChannelConfig() and asdict(job.quant) == asdict(C.QuantConfig())
+
+
+def test_lightning_cli_parses_callback_config(tmp_path):
+    from jsonargparse import ArgumentParser
+
+    import lq
+
+    p = ArgumentParser()
+    p.add_class_arguments(lq.QuantCallback, "cb")
+    cfg = p.parse_args(["--cb.calib.method=entropy", "--cb.qat.lr_policy=cosine", "--cb.quant.weight.num_bits=4"])
+    cb = p.instantiate(cfg).cb
+    assert cb.calib.method == "entropy" and cb.qat.lr_policy == "cosine" and cb.quant.weight.num_bits == 4
+    with pytest.raises(ValueError, match="CalibConfig.method='kl'"):
+        p.instantiate(p.parse_args(["--cb.calib.method=kl"]))
+    names = {f.name for f in fields(C.CalibConfig)}
+    assert {"method", "num_batches", "percentile"} <= names
