@@ -41,11 +41,7 @@ inline float span_absmax(const T* x, int64_t n, bool& neg) {
     if constexpr (kNeg) ng = ng | (u < zero) | (v < zero);
   }
   if constexpr (kNeg) neg |= any_lane(ng);
-  float buf[kW];
-  m.store(buf);
-  float r = 0.f;
-  for (int64_t l = 0; l < kW; ++l) r = nan_max(r, buf[l]);
-  return r;
+  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, m);
 }
 
 // acc[i] = max(acc[i], |x[i]|) for a contiguous span (NaN wins); neg |= any x < 0.

@@ -126,6 +126,8 @@ class QuantConfig:
         include: module-name globs to quantize (``["*"]``: all supported layers).
         exclude: module-name globs to leave in floating point (wins over include).
         overrides: per-layer changes, ``{glob: {"input": {field: value}, "weight": {...}}}``.
+        types: only quantize layers of these torch.nn class names (e.g. ``["Linear"]``); None: every
+            type lq has a quantized version of.
     """
 
     input: QuantizerConfig = field(default_factory=QuantizerConfig)
@@ -133,9 +135,14 @@ class QuantConfig:
     include: List[str] = field(default_factory=lambda: ["*"])
     exclude: List[str] = field(default_factory=list)
     overrides: Dict[str, Dict[str, Dict[str, Any]]] = field(default_factory=dict)
+    types: Optional[List[str]] = None
 
     def __post_init__(self):
         owner = type(self).__name__
+        if self.types is not None:
+            if isinstance(self.types, str) or not all(isinstance(t, str) for t in self.types):
+                raise ValueError(f"{owner}.types={self.types!r} is not allowed: expected None or a list of class names")
+            self.types = list(self.types)
         self.input = _coerce(self.input, QuantizerConfig, f"{owner}.input")
         self.weight = _coerce(self.weight, QuantizerConfig, f"{owner}.weight")
         for name in ("include", "exclude"):
@@ -199,12 +206,13 @@ class FP8Config(QuantConfig):
 
 @dataclass
 class Int4BlockWeightConfig(QuantConfig):
-    """Weight-only INT4 in blocks of 32 along the input features (inputs stay floating point)."""
+    """Weight-only INT4 of Linear layers in blocks of 32 along the input features (inputs stay floating point)."""
 
     input: QuantizerConfig = field(default_factory=lambda: QuantizerConfig(enabled=False))
     weight: QuantizerConfig = field(
         default_factory=lambda: QuantizerConfig(num_bits=4, block_size=32, block_axis=-1, block_type="static")
     )
+    types: Optional[List[str]] = field(default_factory=lambda: ["Linear"])
 
 
 RECIPES = {

@@ -68,8 +68,13 @@ class QATSchedule(L.Callback):
             for _, q in iter_quantizers(pl_module):
                 q.disable_quant()
             return
-        if self.qat.lr_policy == "cosine" and self.base_lrs is None:
-            self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers]
+        if self.qat.lr_policy == "cosine":
+            if self.base_lrs is None:
+                self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers]
+            # The recipe owns the LR while it runs: the module's own schedulers are set aside
+            # (and given back at on_train_end) so they cannot step over it.
+            self._set_aside = list(trainer.strategy.lr_scheduler_configs)
+            trainer.strategy.lr_scheduler_configs = []
         if not self.amax_start:
             self.amax_start = {n: q.amax.detach().clone() for n, q in iter_quantizers(pl_module) if q.amax is not None}
 
@@ -87,6 +92,11 @@ class QATSchedule(L.Callback):
         if self._bn_frozen:
             for bn in _bn_modules(pl_module):
                 bn.eval()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if getattr(self, "_set_aside", None) is not None:
+            trainer.strategy.lr_scheduler_configs = self._set_aside
+            self._set_aside = None
 
     # ------------------------------------------------------------------ every step
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:

@@ -111,6 +111,9 @@ class QuantCallback(L.Callback):
         if was:
             self._report(trainer, pl_module)
 
+    def on_train_end(self, trainer, pl_module):
+        self._each("on_train_end", trainer, pl_module)
+
     def on_fit_end(self, trainer, pl_module):
         self._each("on_fit_end", trainer, pl_module)
 

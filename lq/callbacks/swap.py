@@ -6,6 +6,7 @@ from dataclasses import asdict, replace
 from typing import Any, Optional
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lq.config import QuantConfig, coerce
@@ -45,8 +46,11 @@ class QuantSwap(L.Callback):
             for role in per:
                 cfg = q.override_for(role, glob)
                 overrides[glob][role] = (self._input_cfg(cfg) if role == "input" else cfg).to_descriptor()
+        type_map = self._type_map()
+        self._check_blocks(model, type_map)
         summary = quantize_model(
             model,
+            type_map=type_map,
             include=tuple(q.include),
             exclude=tuple(q.exclude),
             overrides=overrides or None,
@@ -56,6 +60,40 @@ class QuantSwap(L.Callback):
         name_quantizers(model, overwrite=True)
         self._apply_enabled(model)
         return summary
+
+    def _type_map(self):
+        """The float classes the recipe's ``types`` names (None: all of lq's)."""
+        from lq.convert import DEFAULT_TYPE_MAP
+
+        if self.quant.types is None:
+            return None
+        by_name = {cls.__name__: cls for cls in DEFAULT_TYPE_MAP}
+        unknown = [t for t in self.quant.types if t not in by_name]
+        if unknown:
+            raise ValueError(f"QuantConfig.types has unknown layer type(s) {unknown}; allowed: {sorted(by_name)}")
+        return [by_name[t] for t in self.quant.types]
+
+    def _check_blocks(self, model, type_map) -> None:
+        """Block sizes must divide every selected layer's weight dim: fail before changing anything."""
+        from lq.convert import DEFAULT_TYPE_MAP
+
+        kinds = tuple(type_map) if type_map is not None else tuple(DEFAULT_TYPE_MAP)
+        bad = []
+        for name, m in model.named_modules():
+            if not name or not isinstance(m, kinds) or not self.quant.selects(name):
+                continue
+            cfg = self.quant.quantizer_for(name, "weight")
+            w = getattr(m, "weight", None)
+            if cfg.block_size is None or not cfg.enabled or not isinstance(w, torch.Tensor):
+                continue
+            axis = cfg.block_axis % w.dim()
+            if w.shape[axis] % cfg.block_size:
+                bad.append(f"{name} (weight {tuple(w.shape)}, dim {axis} = {w.shape[axis]})")
+        if bad:
+            raise ValueError(
+                f"weight block_size={self.quant.weight.block_size} does not divide the block axis of: {', '.join(bad)}; "
+                "exclude those layers (quant.exclude), restrict quant.types, or override their block_size"
+            )
 
     def _transposed_conv_overrides(self, model) -> dict:
         """Per-channel weights of ConvTranspose layers live on axis 1 (weights are (in, out, k...)).

@@ -150,18 +150,18 @@ def _is_dynamic(m) -> bool:
 
 @contextlib.contextmanager
 def _export_mode(model: torch.nn.Module):
-    """Set quantizers' export flags (if the quantizer class has them) for the duration of the export."""
-    classes = {type(m) for _, m in model.named_modules() if _is_quantizer(m)}
-    saved = []
-    for cls in classes:
-        if hasattr(cls, "_lq_onnx_export"):
-            saved.append((cls, "_lq_onnx_export", cls._lq_onnx_export))
-            cls._lq_onnx_export = True
+    """Quantizers call lq's ops during the export (``use_fb_fake_quant`` off): lq lowers them itself, exactly
+    (torch's fake_quantize_* cannot express narrow range and do not trace with torch.export)."""
+    classes = {cls for _, m in model.named_modules() if _is_quantizer(m) for cls in type(m).__mro__
+               if "use_fb_fake_quant" in vars(cls)}
+    saved = [(cls, cls.use_fb_fake_quant) for cls in classes]
+    for cls, _ in saved:
+        cls.use_fb_fake_quant = False
     try:
         yield
     finally:
-        for cls, name, v in saved:
-            setattr(cls, name, v)
+        for cls, v in saved:
+            cls.use_fb_fake_quant = v
 
 
 # =========================================================================== helpers
@@ -414,7 +414,8 @@ def export_onnx(
     notes: list[str] = []
     _graph.fold_constants(g)
     _graph.lower_placeholders(g, _graph.LowerOptions(opset=opset, weight_format=weight_format,
-                                                     activation_dtype="uint8" if target == "onnxruntime" else "int8"), infos)
+                                                     activation_dtype="uint8" if target == "onnxruntime" else "int8",
+                                                     narrow_clamp=target == "onnxruntime"), infos)
     _graph.fold_weight_quantize(g)
     folds: list[FoldRecord] = []
     if fold_bn:

@@ -263,6 +263,7 @@ def _dedupe_scopes(scopes):
 _FOLDABLE = {
     "Identity", "Reshape", "Transpose", "Cast", "Unsqueeze", "Squeeze", "Div", "Mul", "Add", "Sub", "Neg",
     "Abs", "Sqrt", "Reciprocal", "Concat", "Flatten", "Expand", "Slice", "Gather", "Shape", "Max", "Min",
+    "Clip", "Round", "Floor", "Ceil", "Pow", "Where", "Equal", "Less", "Greater", "Not", "ConstantOfShape",
 }
 
 
@@ -338,6 +339,7 @@ class LowerOptions:
     opset: int
     weight_format: str = "int8"  # "int8" | "qdq"
     activation_dtype: str = "int8"  # representation of signed activations: "int8" (zp 0) | "uint8" (zp 128)
+    narrow_clamp: bool = True  # exact narrow range for activations (an integer Max after QuantizeLinear)
 
 
 def _int_type(num_bits: int, unsigned: bool, opset: int, *, storage: bool):
@@ -502,7 +504,15 @@ def _lower_int(g: Graph, n, layer, opts, infos, x_rank, xc):
     sname = g.add_const(f"{hint}/scale", scale)
     zp = _zero_point(g, et, scale.shape, zp_value)
     infos.append(QuantNodeInfo(layer, "activation", TYPE_NAMES[et], axis, scale))
-    return _qdq_nodes(g, n, x, out, sname, zp, axis, hint)
+    nodes = _qdq_nodes(g, n, x, out, sname, zp, axis, hint)
+    if narrow and not unsigned and opts.narrow_clamp and num_bits == 8:
+        # QuantizeLinear saturates at -128; narrow range stops at -127: one integer Max keeps it exact
+        q, dq = nodes
+        lo = g.add_const(f"{hint}/narrow_min", np.array(zp_value - int(maxbound), dtype=_NP[et]))
+        mx = g.make_node("Max", [q.output[0], lo], hint=f"{hint}/narrow_range", like=n)
+        dq.input[0] = mx.output[0]
+        nodes = [q, mx, dq]
+    return nodes
 
 
 def _bits_msg(layer, num_bits, opset, weight=False):
@@ -531,7 +541,7 @@ def _lower_fp8(g: Graph, n, layer, opts, infos, x_rank, xc):
     infos.append(QuantNodeInfo(layer, kind, "float8e4m3fn", axis, scale))
     if xc is not None:
         # weights: store the E4M3 values themselves
-        xq = _reference.scaled_e4m3(torch.from_numpy(np.ascontiguousarray(xc)).float(), torch.from_numpy(amax))
+        xq = _reference.scaled_e4m3(torch.from_numpy(np.array(xc, dtype=np.float32)), torch.from_numpy(amax))
         s = torch.from_numpy(scale.reshape(amax.shape) if axis is not None else scale)
         v = (xq / s).clamp(-_reference.E4M3_MAX, _reference.E4M3_MAX).numpy().astype(np.float32)
         t = helper.make_tensor("w", TensorProto.FLOAT8E4M3FN, list(v.shape), v.ravel().tolist())
@@ -559,7 +569,7 @@ def _lower_block(g: Graph, n, layer, opts, infos, xc):
                           f"needs opset >= 21, got opset {opts.opset}")
     if num_bits > 8:
         raise ExportError(_bits_msg(layer, num_bits, opts.opset, weight=True))
-    x = torch.from_numpy(np.ascontiguousarray(xc)).float()
+    x = torch.from_numpy(np.array(xc, dtype=np.float32))
     axis = axis % x.dim()
     xb = _reference._block_view(x, axis, block)
     amax = _reference.block_amax(x, axis, block)
@@ -609,25 +619,31 @@ def _lower_affine(g: Graph, n, layer, opts, infos, x_rank):
 
 def fold_weight_quantize(g: Graph) -> None:
     """``QuantizeLinear(const)`` (e.g. from torch.fake_quantize_*): store the integers, keep only the DQ."""
-    from onnx.reference import ReferenceEvaluator
-
     keep = []
     for n in g.nodes:
         if (n.op_type == "QuantizeLinear" and g.is_const(n.input[0]) and all(g.is_const(i) for i in n.input if i)
-                and n.output[0] not in g.graph_outputs):
-            try:
-                ins = [g.const(i) for i in n.input if i]
-                if any(a is None for a in ins):
-                    raise ValueError
-                (v,) = ReferenceEvaluator(_single_node_model(n, g)).run(None, {f"i{k}": a for k, a in enumerate(ins)})
-            except Exception:
+                and n.output[0] not in g.graph_outputs and not attr(n, "block_size", 0)):
+            x, s = g.const(n.input[0]), g.const(n.input[1])
+            z = g.const(n.input[2]) if len(n.input) > 2 and n.input[2] else None
+            if x is None or s is None or (z is not None and z.dtype not in (np.int8, np.uint8)):
                 keep.append(n)
                 continue
-            g.consts[n.output[0]] = np.asarray(v)
+            g.consts[n.output[0]] = _quantize_np(x, s, z, attr(n, "axis", 1))
             g._overrides = g._const_overrides() | {n.output[0]}
             continue
         keep.append(n)
     g.nodes = keep
+
+
+def _quantize_np(x, scale, zp, axis):
+    """ONNX QuantizeLinear (int8/uint8): saturate(round_half_even(x / scale) + zp)."""
+    shape = [-1 if d == axis % x.ndim else 1 for d in range(x.ndim)] if x.ndim else []
+    s = scale.reshape(shape) if scale.ndim == 1 else scale
+    dt = np.uint8 if zp is not None and zp.dtype == np.uint8 else np.int8
+    z = 0.0 if zp is None else (zp.astype(np.float32).reshape(shape) if zp.ndim == 1 else zp.astype(np.float32))
+    q = np.rint(x.astype(np.float32) / s.astype(np.float32)) + z
+    lo, hi = (0, 255) if dt == np.uint8 else (-128, 127)
+    return np.clip(q, lo, hi).astype(dt)
 
 
 # =========================================================================== BatchNorm folding
@@ -922,17 +938,23 @@ def transpose_weight_dq(g: Graph) -> None:
     g.nodes = [n for n in g.nodes if id(n) not in drop]
 
 
+def _dequantize(q, scale, zp, axis):
+    qf = q.astype(np.float32) - (0 if zp is None else zp.astype(np.float32).reshape(
+        [-1 if d == axis % q.ndim else 1 for d in range(q.ndim)] if zp.ndim == 1 else zp.shape))
+    if scale.ndim == 1:
+        scale = scale.reshape([-1 if d == axis % q.ndim else 1 for d in range(q.ndim)])
+    return (qf * scale.astype(np.float32)).astype(np.float32)
+
+
 def weights_to_qdq(g: Graph) -> None:
     """``DQ(int8 const)`` -> ``Q(float const) -> DQ`` (the float weight holds the fake-quantized values)."""
-    from onnx.reference import ReferenceEvaluator
-
     new_nodes = []
     for n in g.nodes:
         if n.op_type == "DequantizeLinear" and g.is_const(n.input[0]):
             q = g.const(n.input[0])
             if q is not None and q.dtype in (np.int8, np.uint8):
-                ins = [g.const(i) for i in n.input if i]
-                (w,) = ReferenceEvaluator(_single_node_model(n, g)).run(None, {f"i{k}": a for k, a in enumerate(ins)})
+                w = _dequantize(q, g.const(n.input[1]), g.const(n.input[2]) if len(n.input) > 2 else None,
+                                attr(n, "axis", 1))
                 wname = g.add_const(n.input[0] + "_float", np.asarray(w, dtype=np.float32))
                 qo = g.fresh(n.name + "_wq")
                 kw = {a.name: helper.get_attribute_value(a) for a in n.attribute}

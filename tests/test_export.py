@@ -1,0 +1,361 @@
+"""ONNX export (lq.export): Q/DQ lowering, BatchNorm folding, onnxruntime fusion and verification."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+from torch import nn
+
+import lq.nn as qnn
+from lq.export import ExportError, VerificationError, export_onnx, optimized_op_counts
+from lq.tensor_quant import QuantDescriptor
+
+ort = pytest.importorskip("onnxruntime")
+
+torch.set_flush_denormal(True)
+
+
+# =========================================================================== models
+class Residual(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+        self.add = qnn.FloatAdd()
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.add(self.bn2(self.conv2(y)), x))
+
+
+class SmallNet(nn.Module):
+    """conv-bn-relu stem, a residual block with a quantized add, maxpool, linear head."""
+
+    def __init__(self, c=8, bn=True):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c) if bn else nn.Identity(),
+                                  nn.ReLU())
+        self.block = Residual(c)
+        self.pool = nn.MaxPool2d(2)
+        self.head = nn.Linear(c * 4 * 4, 5)
+
+    def forward(self, x):
+        x = self.pool(self.block(self.stem(x)))
+        return self.head(torch.flatten(x, 1))
+
+
+def _randomize_bn(model):
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                n = m.num_features
+                m.weight.copy_(torch.randn(n, generator=g))  # some negative gammas: sign flips in the fold
+                m.bias.copy_(0.2 * torch.randn(n, generator=g))
+                m.running_mean.copy_(0.2 * torch.randn(n, generator=g))
+                m.running_var.copy_(0.5 + torch.rand(n, generator=g))
+
+
+def _quantized(model, per_channel=True, **kw):
+    from lq.calibration import calibrate_model
+    from lq.convert import quantize_model
+
+    wdesc = None if per_channel else {"num_bits": 8, "axis": None}
+    quantize_model(model, quant_desc_weight=wdesc, **kw)
+    model.eval()
+    batches = [torch.randn(16, 3, 8, 8) for _ in range(2)]
+    with torch.no_grad():
+        calibrate_model(model, batches, method="max")
+    return model
+
+
+def _sample():
+    return torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(7))
+
+
+def _net(per_channel=True, bn=True):
+    torch.manual_seed(0)
+    m = SmallNet(bn=bn)
+    _randomize_bn(m)
+    return _quantized(m, per_channel=per_channel)
+
+
+def _nodes(path, op):
+    return [n for n in onnx.load(path).graph.node if n.op_type == op]
+
+
+def _init(path):
+    return {i.name: numpy_helper.to_array(i) for i in onnx.load(path).graph.initializer}
+
+
+def _attr(node, name, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def _run(path, x):
+    s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return s.run(None, {s.get_inputs()[0].name: x.numpy()})[0]
+
+
+def _ref(model, x):
+    m = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        return m(x).numpy()
+
+
+# =========================================================================== the main export (dynamo)
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    torch.manual_seed(0)
+    model = _net()
+    model.train()  # export must not care (it exports an eval copy) and must leave it in train mode
+    before = copy.deepcopy(model.state_dict())
+    types_before = [(n, type(m)) for n, m in model.named_modules()]
+    path = str(tmp_path_factory.mktemp("export") / "net.onnx")
+    res = export_onnx(model, _sample(), path)
+    return model, res, path, before, types_before
+
+
+def test_export_checks_runs_and_matches_pytorch(exported):
+    model, res, path, _, _ = exported
+    assert os.path.exists(path) and res.file_size == os.path.getsize(path)
+    onnx.checker.check_model(onnx.load(path), full_check=True)
+    x = _sample()
+    out = _run(path, x)
+    ref = _ref(model, x)
+    assert out.shape == ref.shape
+    diff = float(np.abs(out - ref).max())
+    assert res.max_abs_diff is not None and res.max_abs_diff <= res.tolerance
+    assert diff <= 0.05 * np.abs(ref).max()
+    # never the whole model's output shifted: most outputs agree to float precision
+    assert np.mean(np.abs(out - ref) < 1e-4) > 0.9
+    assert res.exporter == "dynamo" and "CPUExecutionProvider" in res.providers
+    assert "net.onnx" in str(res)
+
+
+def test_dynamic_batch(exported):
+    model, _, path, _, _ = exported
+    for n in (1, 9):
+        x = torch.randn(n, 3, 8, 8)
+        out = _run(path, x)
+        assert out.shape == (n, 5)
+        assert np.abs(out - _ref(model, x)).max() <= 0.05 * np.abs(_ref(model, x)).max() + 1e-3
+
+
+def test_training_model_unchanged(exported):
+    model, _, _, before, types_before = exported
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    assert [(n, type(m)) for n, m in model.named_modules()] == types_before
+    assert model.training  # mode kept
+    assert any(isinstance(m, nn.BatchNorm2d) for m in model.modules())  # BN not folded in the training model
+    # and it still trains (on a copy: the other tests read this model's BatchNorm statistics)
+    m = copy.deepcopy(model)
+    m(torch.randn(4, 3, 8, 8)).sum().backward()
+    assert m.head.weight.grad is not None
+
+
+def test_qdq_scales_and_axis(exported):
+    model, res, path, _, _ = exported
+    inits = _init(path)
+    q_nodes = _nodes(path, "QuantizeLinear")
+    dq_nodes = _nodes(path, "DequantizeLinear")
+    assert q_nodes and dq_nodes
+    # activation scale = amax / 127 (int8 grid; onnxruntime target stores it as uint8 with zero point 128)
+    amax_in = float(model.stem[0]._input_quantizer.amax)
+    q_in = next(n for n in q_nodes if n.input[0] == "input")
+    np.testing.assert_allclose(inits[q_in.input[1]], amax_in / 127, rtol=1e-6)
+    zp = inits[q_in.input[2]]
+    assert zp.dtype in (np.int8, np.uint8) and int(zp) == (128 if zp.dtype == np.uint8 else 0)
+    # per-channel weights: int8 initializers, 1-D scale along axis 0 = amax * |gamma / sqrt(var + eps)| / 127
+    conv = model.block.conv1
+    bn = model.block.bn1
+    k = (bn.weight / torch.sqrt(bn.running_var + bn.eps)).detach()
+    expect = (conv._weight_quantizer.amax.reshape(-1) * k.abs() / 127).numpy()
+    w_dqs = [n for n in dq_nodes if inits.get(n.input[0]) is not None and inits[n.input[0]].dtype == np.int8
+             and inits[n.input[0]].ndim == 4]
+    assert len(w_dqs) == 3
+    scales = [inits[n.input[1]] for n in w_dqs]
+    match = [s for s in scales if s.shape == expect.shape and np.allclose(s, expect, rtol=1e-5)]
+    assert match, "block.conv1 weight scale not found"
+    for n in w_dqs:
+        assert _attr(n, "axis") == 0
+    infos = {q.layer: q for q in res.quantized}
+    assert "block.conv1._weight_quantizer" in infos and infos["block.conv1._weight_quantizer"].axis == 0
+    assert "block.add._input_quantizer" in infos
+
+
+def test_batchnorm_folded(exported):
+    _, res, path, _, _ = exported
+    assert not _nodes(path, "BatchNormalization")
+    folded = {f.bn for f in res.folded_bn if f.skipped is None}
+    assert folded == {"stem.1", "block.bn1", "block.bn2"}
+
+
+def test_onnxruntime_fuses_int8_kernels(exported):
+    _, res, path, _, _ = exported
+    ops = optimized_op_counts(path)
+    assert ops["QLinearConv"] >= 3
+    assert ops["QLinearAdd"] == 1
+    assert ops["QGemm"] + ops["QLinearMatMul"] == 1
+    assert ops.get("Conv", 0) == 0 and ops.get("FusedConv", 0) == 0
+    assert res.int8_kernels["QLinearConv"] == ops["QLinearConv"]
+
+
+# =========================================================================== variants
+def test_per_tensor_weights_without_bn_scale_is_amax_over_127(tmp_path):
+    model = _net(per_channel=False, bn=False)
+    path = str(tmp_path / "pt.onnx")
+    res = export_onnx(model, _sample(), path, dynamo=False)
+    assert res.max_abs_diff <= res.tolerance
+    inits = _init(path)
+    stem_amax = float(model.stem[0]._weight_quantizer.amax)
+    w_dq = next(n for n in _nodes(path, "DequantizeLinear")
+                if n.input[0] in inits and inits[n.input[0]].shape == (8, 3, 3, 3))
+    s = inits[w_dq.input[1]]
+    assert s.ndim == 0 and np.isclose(float(s), stem_amax / 127, rtol=1e-6)
+    # the weights themselves: lq's rounding of w * 127 / amax
+    w = model.stem[0].weight.detach().numpy()
+    np.testing.assert_array_equal(inits[w_dq.input[0]], np.clip(np.round(w * (127 / stem_amax)), -128, 127))
+    assert optimized_op_counts(path)["QLinearConv"] >= 3
+
+
+def test_per_tensor_weights_with_bn_fold_become_per_channel(tmp_path):
+    model = _net(per_channel=False, bn=True)
+    path = str(tmp_path / "ptbn.onnx")
+    res = export_onnx(model, _sample(), path, dynamo=False)
+    assert res.max_abs_diff <= res.tolerance
+    inits = _init(path)
+    conv, bn = model.stem[0], model.stem[1]
+    k = (bn.weight / torch.sqrt(bn.running_var + bn.eps)).detach().numpy()
+    w_dq = next(n for n in _nodes(path, "DequantizeLinear")
+                if n.input[0] in inits and inits[n.input[0]].shape == (8, 3, 3, 3))
+    np.testing.assert_allclose(inits[w_dq.input[1]], float(conv._weight_quantizer.amax) * np.abs(k) / 127,
+                               rtol=1e-5)
+    assert _attr(w_dq, "axis") == 0
+
+
+def test_no_bn_folding_keeps_batchnorm(tmp_path):
+    model = _net()
+    path = str(tmp_path / "nofold.onnx")
+    res = export_onnx(model, _sample(), path, dynamo=False, fold_bn=False)
+    assert len(_nodes(path, "BatchNormalization")) == 3
+    assert res.max_abs_diff <= res.tolerance
+    assert not res.folded_bn
+
+
+def test_legacy_exporter(tmp_path):
+    model = _net()
+    path = str(tmp_path / "legacy.onnx")
+    res = export_onnx(model, _sample(), path, dynamo=False, opset=13)
+    assert res.exporter == "legacy" and res.opset == 13
+    assert res.max_abs_diff <= res.tolerance
+    assert not _nodes(path, "BatchNormalization")
+    ops = optimized_op_counts(path)
+    assert ops["QLinearConv"] >= 3 and ops["QLinearAdd"] == 1
+    out = _run(path, torch.randn(2, 3, 8, 8))
+    assert out.shape == (2, 5)
+
+
+def test_tensorrt_target_is_int8_zero_point_0(tmp_path):
+    model = _net()
+    path = str(tmp_path / "trt.onnx")
+    res = export_onnx(model, _sample(), path, dynamo=False, target="tensorrt")
+    assert res.max_abs_diff <= res.tolerance
+    inits = _init(path)
+    for n in _nodes(path, "QuantizeLinear") + _nodes(path, "DequantizeLinear"):
+        zp = inits[n.input[2]]
+        if zp.dtype == np.int32:  # none expected: TensorRT takes float bias
+            raise AssertionError("int32 bias in a TensorRT export")
+        assert zp.dtype == np.int8 and not zp.any()
+    # weights as float + Q -> DQ (TensorRT's explicit quantization)
+    assert any(n.input[0] in inits and inits[n.input[0]].dtype == np.float32 and inits[n.input[0]].ndim == 4
+               for n in _nodes(path, "QuantizeLinear"))
+
+
+# =========================================================================== errors
+def test_uncalibrated_quantizer_is_named(tmp_path):
+    model = _net()
+    model.block.conv2._input_quantizer.amax = None
+    before = copy.deepcopy(model.state_dict())
+    path = tmp_path / "bad.onnx"
+    with pytest.raises(ExportError, match=r"block\.conv2\._input_quantizer"):
+        export_onnx(model, _sample(), path)
+    assert not path.exists()
+    assert before.keys() == model.state_dict().keys()
+
+
+def test_verification_failure_names_diff_and_tolerance(tmp_path):
+    model = _net()
+    path = tmp_path / "model.onnx"
+    path.write_bytes(b"previous export")
+    with pytest.raises(VerificationError, match=r"max abs diff .* tolerance 1e-12"):
+        export_onnx(model, _sample() * 3, path, dynamo=False, atol=1e-12)
+    assert path.read_bytes() == b"previous export"  # never overwritten on failure
+    assert (tmp_path / "model.unverified.onnx").exists()
+
+
+def test_refuses_checkpoint_paths(tmp_path):
+    with pytest.raises(ValueError, match="checkpoint"):
+        export_onnx(_net(), _sample(), tmp_path / "last.ckpt")
+    with pytest.raises(ValueError, match="opset"):
+        export_onnx(_net(), _sample(), tmp_path / "x.onnx", opset=11)
+
+
+def test_fp8_needs_opset_19_and_exports_float8_qdq(tmp_path):
+    fp8 = QuantDescriptor(num_bits=(4, 3))
+    torch.manual_seed(0)
+    model = nn.Sequential(qnn.QuantConv2d(3, 4, 3, quant_desc_input=fp8,
+                                          quant_desc_weight=QuantDescriptor(num_bits=(4, 3), axis=0)),
+                          nn.ReLU())
+    from lq.calibration import calibrate_model
+
+    model.eval()
+    calibrate_model(model, [torch.randn(8, 3, 8, 8)])
+    with pytest.raises(ExportError, match=r"'0\._input_quantizer' is FP8 .*opset >= 19"):
+        export_onnx(model, _sample(), tmp_path / "fp8_17.onnx", opset=17, dynamo=False)
+    path = str(tmp_path / "fp8.onnx")
+    res = export_onnx(model, _sample(), path, opset=19, dynamo=False)
+    inits = {i.name: i for i in onnx.load(path).graph.initializer}
+    f8 = onnx.TensorProto.FLOAT8E4M3FN
+    q = _nodes(path, "QuantizeLinear")
+    assert q and all(inits[n.input[2]].data_type == f8 for n in q)
+    amax = float(model[0]._input_quantizer.amax)
+    np.testing.assert_allclose(numpy_helper.to_array(inits[q[0].input[1]]), amax / 448, rtol=1e-6)
+    assert any(inits[n.input[0]].data_type == f8 for n in _nodes(path, "DequantizeLinear") if n.input[0] in inits)
+    # onnxruntime runs FP8 Q/DQ on CPU: the result matches PyTorch's scaled_e4m3 fake quantization
+    assert res.max_abs_diff is not None and res.max_abs_diff <= res.tolerance
+
+
+def test_dynamic_block_quant_activation_is_refused_weights_are_blocked(tmp_path):
+    from lq.calibration import calibrate_model
+
+    blk = QuantDescriptor(num_bits=4, block_sizes={-1: 16, "type": "dynamic"})
+    model = nn.Sequential(qnn.QuantLinear(32, 8, quant_desc_input=blk))
+    model.eval()
+    calibrate_model(model, [torch.randn(8, 32)])
+    with pytest.raises(ExportError, match=r"'0\._input_quantizer' uses dynamic block quantization"):
+        export_onnx(model, torch.randn(4, 32), tmp_path / "blk.onnx", opset=21, dynamo=False)
+    model = nn.Sequential(qnn.QuantLinear(32, 8, quant_desc_weight=blk))
+    model.eval()
+    calibrate_model(model, [torch.randn(8, 32)])
+    with pytest.raises(ExportError, match=r"opset >= 21"):
+        export_onnx(model, torch.randn(4, 32), tmp_path / "blk19.onnx", opset=19, dynamo=False)
+    path = str(tmp_path / "blk21.onnx")
+    res = export_onnx(model, torch.randn(4, 32), path, opset=21, dynamo=False, check_fusion=False)
+    dq = [n for n in _nodes(path, "DequantizeLinear") if _attr(n, "block_size")]
+    assert len(dq) == 1 and _attr(dq[0], "block_size") == 16
+    assert res.max_abs_diff <= res.tolerance
