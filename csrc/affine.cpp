@@ -3,6 +3,7 @@
 //
 // step = (max_range - min_range) / (2^num_bits - 1), zp = round(min_range / step) - min_bound,
 // q = clamp(round(x / step) - zp, min_bound, max_bound), out = (q + zp) * step (float32).
+#include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
 
 #include "common.h"
@@ -37,17 +38,36 @@ at::Tensor fake_affine_quant_cpu(const at::Tensor& x, const at::Tensor& min_rang
   check_num_bits(num_bits, false);
   check_amax_shape(x, min_range, "min_range");
   check_amax_shape(x, max_range, "max_range");
-  const at::Tensor lo = amax_as_float(min_range), hi = amax_as_float(max_range);
-  // The parameters, with the same ATen ops (so the same roundings) as the reference.
-  const double levels = static_cast<double>((int64_t{1} << num_bits) - 1);
-  const double min_bound = -static_cast<double>(int64_t{1} << (num_bits - 1));
-  const double max_bound = static_cast<double>((int64_t{1} << (num_bits - 1)) - 1);
-  const at::Tensor step = hi.sub(lo).div(levels).contiguous();
-  const at::Tensor zp = lo.div(step).round().sub(min_bound).contiguous();
+  const float levels = static_cast<float>((int64_t{1} << num_bits) - 1);
+  const float min_bound = -static_cast<float>(int64_t{1} << (num_bits - 1));
+  const float max_bound = static_cast<float>((int64_t{1} << (num_bits - 1)) - 1);
+  const AffineOp op(min_bound, max_bound);
   at::Tensor out = at::empty_like(x);
+  if (min_range.numel() == 1 && max_range.numel() == 1) {
+    // step = (hi - lo) / levels, zp = round(lo / step) - min_bound, in float32 as the reference.
+    const float lo = single_value(min_range), hi = single_value(max_range);
+    const float step = (hi - lo) / levels;
+    const float zp = std::nearbyint(lo / step) - min_bound;
+    if (x.numel() == 0) return out;
+    dispatch_float(x.scalar_type(), "inputs", [&](auto tag) {
+      using T = decltype(tag);
+      if (x.is_contiguous() && out.is_contiguous()) {
+        run_unary_contiguous<T, 2, false>(out.mutable_data_ptr<T>(), x.const_data_ptr<T>(), x.numel(),
+                                          std::array<float, 2>{step, zp}, op);
+        return;
+      }
+      const auto fopt = x.options().dtype(at::kFloat);
+      auto iter = make_iter(out, {x, at::scalar_tensor(step, fopt), at::scalar_tensor(zp, fopt)});
+      run_unary<T, 2, false>(iter, op);
+    });
+    return out;
+  }
+  // Per-channel ranges: the parameters with the same ATen ops (so the same roundings) as the reference.
+  const at::Tensor lo = amax_as_float(min_range), hi = amax_as_float(max_range);
+  const at::Tensor step = hi.sub(lo).div(static_cast<double>(levels)).contiguous();
+  const at::Tensor zp = lo.div(step).round().sub(static_cast<double>(min_bound)).contiguous();
   if (x.numel() == 0) return out;
   auto iter = make_iter(out, {x, step, zp});
-  AffineOp op(static_cast<float>(min_bound), static_cast<float>(max_bound));
   dispatch_float(x.scalar_type(), "inputs", [&](auto tag) {
     using T = decltype(tag);
     run_unary<T, 2, false>(iter, op);

@@ -108,8 +108,24 @@ inline void check_amax_shape(const at::Tensor& x, const at::Tensor& amax, const 
   }
 }
 
+// The value of a one-element floating point CPU tensor as float32 (like `t.float()`).
+inline float single_value(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return *t.const_data_ptr<float>();
+    case at::kHalf: return static_cast<float>(*t.const_data_ptr<at::Half>());
+    case at::kBFloat16: return static_cast<float>(*t.const_data_ptr<at::BFloat16>());
+    case at::kDouble: return static_cast<float>(*t.const_data_ptr<double>());
+    default: return t.to(at::kFloat).contiguous().const_data_ptr<float>()[0];
+  }
+}
+
 // Negative or non-finite amax is an error (0 is allowed: it quantizes to 0).
-// `a` must be a contiguous float32 CPU tensor.
+inline void check_amax_value(float v, const char* what = "amax") {
+  TORCH_CHECK_VALUE(std::isfinite(v), what, " must be finite, got non-finite values in ", what);
+  TORCH_CHECK_VALUE(!(v < 0.f), what, " must be >= 0, got min ", float_str(v));
+}
+
+// The same for every value of `a`, a contiguous float32 CPU tensor.
 inline void check_amax_values(const at::Tensor& a, const char* what = "amax") {
   const float* p = a.const_data_ptr<float>();
   const int64_t n = a.numel();

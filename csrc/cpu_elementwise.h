@@ -147,6 +147,19 @@ bool run_unary(at::TensorIteratorBase& iter, const Op& op) {
   return neg.load();
 }
 
+// Fast path: out and x contiguous (n elements each), every parameter one value.
+template <typename T, int P, bool kNeg, typename Op>
+bool run_unary_contiguous(T* out, const T* x, int64_t n, const std::array<float, P>& params, const Op& op) {
+  const float* pp[P];
+  for (int k = 0; k < P; ++k) pp[k] = &params[k];
+  if (n <= at::internal::GRAIN_SIZE) return span_unary<T, P, false, kNeg>(out, x, pp, n, op);
+  std::atomic<bool> neg{false};
+  at::parallel_for(0, n, at::internal::GRAIN_SIZE, [&](int64_t b, int64_t e) {
+    if (span_unary<T, P, false, kNeg>(out + b, x + b, pp, e - b, op)) neg.store(true, std::memory_order_relaxed);
+  });
+  return neg.load();
+}
+
 // ---------------------------------------------------------------- mask: out = inside(x, params) ? grad : 0
 template <typename G, typename X, int P, bool kPC, typename Op>
 inline void span_mask(G* out, const G* g, const X* x, const float* const* p, int64_t n, const Op& op) {
@@ -225,10 +238,11 @@ void run_mask(at::TensorIteratorBase& iter, const Op& op) {
       at::internal::GRAIN_SIZE);
 }
 
-// Dispatches run_mask over (grad dtype G, x dtype X) with X == G or X == float;
-// x of any other float dtype is widened to float32 first (exact).
+// out = inside(x, params) ? grad : 0, dispatched over (grad dtype G, x dtype X) with
+// X == G or X == float; x of any other float dtype is widened to float32 first (exact).
+// params: float32 tensors that broadcast against x.
 template <int P, typename Op>
-inline at::Tensor mask_kernel(const at::Tensor& grad, const at::Tensor& x, std::initializer_list<at::Tensor> params,
+inline at::Tensor mask_kernel(const at::Tensor& grad, const at::Tensor& x, const std::array<at::Tensor, P>& params,
                               const Op& op) {
   check_input(grad, "grad");
   check_input(x, "inputs");
@@ -238,17 +252,42 @@ inline at::Tensor mask_kernel(const at::Tensor& grad, const at::Tensor& x, std::
                     " do not broadcast (allowed: the same shape)");
   at::Tensor xx = x;
   if (x.scalar_type() != grad.scalar_type() && x.scalar_type() != at::kFloat) xx = x.to(at::kFloat);
+  const bool same = xx.scalar_type() == grad.scalar_type();
+  bool single = true;
+  for (const auto& t : params) single &= t.numel() == 1;
+  if (single && grad.sizes() == xx.sizes() && grad.is_contiguous() && xx.is_contiguous()) {
+    // Fast path: dense operands, one value per parameter.
+    at::Tensor out = at::empty_like(grad);
+    const int64_t n = grad.numel();
+    std::array<float, P> pv;
+    for (int k = 0; k < P; ++k) pv[k] = single_value(params[k]);
+    const float* pp[P];
+    for (int k = 0; k < P; ++k) pp[k] = &pv[k];
+    dispatch_float(grad.scalar_type(), "grad", [&](auto gtag) {
+      using G = decltype(gtag);
+      auto body = [&](auto xtag) {
+        using X = decltype(xtag);
+        G* o = out.mutable_data_ptr<G>();
+        const G* g = grad.const_data_ptr<G>();
+        const X* xi = xx.const_data_ptr<X>();
+        at::parallel_for(0, n, at::internal::GRAIN_SIZE, [&](int64_t b, int64_t e) {
+          span_mask<G, X, P, false>(o + b, g + b, xi + b, pp, e - b, op);
+        });
+      };
+      if (same) body(G{});
+      else body(float{});
+    });
+    return out;
+  }
   auto shape = at::infer_size(grad.sizes(), xx.sizes());
   for (const auto& t : params) shape = at::infer_size(shape, t.sizes());
   at::Tensor out = grad.sizes() == at::IntArrayRef(shape) ? at::empty_like(grad) : at::empty(shape, grad.options());
   if (out.numel() == 0) return out;
-  std::vector<at::Tensor> ins{grad, xx};
-  ins.insert(ins.end(), params.begin(), params.end());
   at::TensorIteratorConfig cfg;
   cfg.set_check_mem_overlap(true).check_all_same_dtype(false).resize_outputs(false).add_output(out);
-  for (const auto& t : ins) cfg.add_const_input(t);
+  cfg.add_const_input(grad).add_const_input(xx);
+  for (const auto& t : params) cfg.add_const_input(t);
   auto iter = cfg.build();
-  const bool same = xx.scalar_type() == grad.scalar_type();
   dispatch_float(grad.scalar_type(), "grad", [&](auto gtag) {
     using G = decltype(gtag);
     if (same) run_mask<G, G, P>(iter, op);

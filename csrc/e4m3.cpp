@@ -4,6 +4,7 @@
 // out = round_e4m3(clamp(x * s, -448, 448)) / s (0 where s == 0), where
 // round_e4m3 rounds to the nearest E4M3 value, half to even, subnormals kept;
 // equal bit for bit to torch's float8_e4m3fn cast (see cpu_vec.h).
+#include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
 
 #include "common.h"
@@ -33,15 +34,31 @@ struct E4M3Op {
 at::Tensor scaled_e4m3_cpu(const at::Tensor& x, const at::Tensor& amax) {
   check_input(x);
   check_amax_shape(x, amax);
-  const at::Tensor a = amax_as_float(amax);
-  check_amax_values(a);
+  const bool single = amax.numel() == 1;
+  at::Tensor a;
+  float scale = 0.f;
+  ScaleInfo si;
+  if (single) {
+    const float v = single_value(amax);
+    check_amax_value(v);
+    scale = quant_scale(v, kE4M3Max);
+    si.any_zero = si.all_zero = scale == 0.f;
+  } else {
+    a = amax_as_float(amax);
+    check_amax_values(a);
+    si = compute_scales(a, kE4M3Max);
+  }
   at::Tensor out = at::empty_like(x);
   if (x.numel() == 0) return out;
-  const ScaleInfo si = compute_scales(a, kE4M3Max);
   if (si.all_zero) return out.zero_();
-  auto iter = make_iter(out, {x, si.scale});
   dispatch_float(x.scalar_type(), "inputs", [&](auto tag) {
     using T = decltype(tag);
+    if (single && x.is_contiguous() && out.is_contiguous()) {
+      run_unary_contiguous<T, 1, false>(out.mutable_data_ptr<T>(), x.const_data_ptr<T>(), x.numel(),
+                                        std::array<float, 1>{scale}, E4M3Op<false>{});
+      return;
+    }
+    auto iter = make_iter(out, {x, single ? at::scalar_tensor(scale, x.options().dtype(at::kFloat)) : si.scale});
     if (si.any_zero) run_unary<T, 1, false>(iter, E4M3Op<true>{});
     else run_unary<T, 1, false>(iter, E4M3Op<false>{});
   });

@@ -5,6 +5,7 @@
 // 0 where amax <= 2^-24), q = clamp(round_half_even(x * s), min_bound, max_bound),
 // fake_quant = q / s (0 where s == 0), all in float32, cast back to x's dtype.
 #include <ATen/MemoryOverlap.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
 
 #include "common.h"
@@ -20,45 +21,87 @@ struct SteOp {
   Vec inside(const Vec& x, const Vec* p) const { return x.abs() <= p[0]; }
 };
 
-// Checks shared by every entry point; returns amax as contiguous float32.
-at::Tensor prepare(const at::Tensor& x, const at::Tensor& amax, int64_t num_bits, bool is_unsigned) {
+// amax after the checks: one value (per tensor), or a contiguous float32 tensor.
+struct Amax {
+  bool single = false;
+  float value = 0.f;
+  at::Tensor tensor;
+};
+
+// Checks shared by every entry point.
+Amax prepare(const at::Tensor& x, const at::Tensor& amax, int64_t num_bits, bool is_unsigned) {
   check_input(x);
   check_num_bits(num_bits, is_unsigned);
   check_amax_shape(x, amax);
-  TORCH_CHECK_VALUE(x.device().is_cpu(), "inputs must be a CPU tensor for lq's CPU kernel, got ", x.device());
-  at::Tensor a = amax_as_float(amax);
-  check_amax_values(a);
+  Amax a;
+  if (amax.numel() == 1) {
+    a.single = true;
+    a.value = single_value(amax);
+    check_amax_value(a.value);
+  } else {
+    a.tensor = amax_as_float(amax);
+    check_amax_values(a.tensor);
+  }
   return a;
 }
 
+// Runs op (FakeQuantOp or QuantOp) from x into out (same shape; out may be x itself).
+// scale: per-tensor value, or (when !a.single) the per-channel scale tensor.
+template <template <bool> class OpT>
+bool run_scaled(const at::Tensor& out, const at::Tensor& x, const Amax& a, float scale, const at::Tensor& scales,
+                bool any_zero, const IntBounds& bd, bool check_neg) {
+  return dispatch_float(x.scalar_type(), "inputs", [&](auto tag) {
+    using T = decltype(tag);
+    if (a.single && x.is_contiguous() && out.is_contiguous()) {
+      const std::array<float, 1> p{scale};
+      const OpT<false> op(bd.min_bound, bd.max_bound);
+      T* o = out.mutable_data_ptr<T>();
+      const T* xi = x.const_data_ptr<T>();
+      return check_neg ? run_unary_contiguous<T, 1, true>(o, xi, x.numel(), p, op)
+                       : run_unary_contiguous<T, 1, false>(o, xi, x.numel(), p, op);
+    }
+    auto iter = make_iter(out, {x, a.single ? at::scalar_tensor(scale, x.options().dtype(at::kFloat)) : scales});
+    if (any_zero) {
+      const OpT<true> op(bd.min_bound, bd.max_bound);
+      return check_neg ? run_unary<T, 1, true>(iter, op) : run_unary<T, 1, false>(iter, op);
+    }
+    const OpT<false> op(bd.min_bound, bd.max_bound);
+    return check_neg ? run_unary<T, 1, true>(iter, op) : run_unary<T, 1, false>(iter, op);
+  });
+}
+
+// QuantOp ignores the zero-scale flag (round(x * 0) is what the reference returns).
+template <bool kZero>
+struct QuantOpT : QuantOp {
+  using QuantOp::QuantOp;
+};
+
 // Writes fake_quant(x) into out (same shape and dtype; may be x itself).
 // check_neg: detect negative inputs in the same pass (raise after it).
-void fake_quant_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, int64_t num_bits,
-                     bool is_unsigned, bool narrow_range, bool check_neg) {
+void fake_quant_into(const at::Tensor& out, const at::Tensor& x, const Amax& a, int64_t num_bits, bool is_unsigned,
+                     bool narrow_range, bool check_neg) {
   if (x.numel() == 0) return;
   const IntBounds bd = int_bounds(num_bits, is_unsigned, narrow_range);
-  const ScaleInfo si = compute_scales(a, bd.max_bound);
+  float scale = 0.f;
+  ScaleInfo si;
+  if (a.single) {
+    scale = quant_scale(a.value, bd.max_bound);
+    si.all_zero = si.any_zero = scale == 0.f;
+  } else {
+    si = compute_scales(a.tensor, bd.max_bound);
+  }
   if (si.all_zero) {  // every amax <= 2^-24: all zeros
     TORCH_CHECK_VALUE(!(check_neg && any_negative(x)), kNegativeUnsignedMsg);
     out.zero_();
     return;
   }
-  auto iter = make_iter(out, {x, si.scale});
-  const bool neg = dispatch_float(x.scalar_type(), "inputs", [&](auto tag) {
-    using T = decltype(tag);
-    if (si.any_zero) {
-      FakeQuantOp<true> op(bd.min_bound, bd.max_bound);
-      return check_neg ? run_unary<T, 1, true>(iter, op) : run_unary<T, 1, false>(iter, op);
-    }
-    FakeQuantOp<false> op(bd.min_bound, bd.max_bound);
-    return check_neg ? run_unary<T, 1, true>(iter, op) : run_unary<T, 1, false>(iter, op);
-  });
+  const bool neg = run_scaled<FakeQuantOp>(out, x, a, scale, si.scale, si.any_zero, bd, check_neg);
   TORCH_CHECK_VALUE(!neg, kNegativeUnsignedMsg);
 }
 
 at::Tensor fake_quant_cpu(const at::Tensor& x, const at::Tensor& amax, int64_t num_bits, bool is_unsigned,
                           bool narrow_range) {
-  const at::Tensor a = prepare(x, amax, num_bits, is_unsigned);
+  const Amax a = prepare(x, amax, num_bits, is_unsigned);
   at::Tensor out = at::empty_like(x);
   fake_quant_into(out, x, a, num_bits, is_unsigned, narrow_range, is_unsigned);
   return out;
@@ -66,14 +109,13 @@ at::Tensor fake_quant_cpu(const at::Tensor& x, const at::Tensor& amax, int64_t n
 
 void fake_quant_out_cpu(const at::Tensor& x, const at::Tensor& amax, int64_t num_bits, bool is_unsigned,
                         bool narrow_range, const at::Tensor& out) {
-  const at::Tensor a = prepare(x, amax, num_bits, is_unsigned);
+  const Amax a = prepare(x, amax, num_bits, is_unsigned);
   TORCH_CHECK_TYPE(out.defined(), "out must be a torch.Tensor, got None");
   check_same_device(x, out, "out");
   const bool direct = out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() &&
-                      at::has_internal_overlap(out) == at::MemOverlap::No &&
-                      (at::get_overlap_status(out, x) == at::MemOverlapStatus::No ||
-                       at::get_overlap_status(out, x) == at::MemOverlapStatus::Full);
-  if (!direct) {  // other shape/dtype (broadcast or cast by copy_), or partial overlap with x
+                      (out.is_same(x) || (at::has_internal_overlap(out) == at::MemOverlap::No &&
+                                          at::get_overlap_status(out, x) == at::MemOverlapStatus::No));
+  if (!direct) {  // other shape/dtype (broadcast or cast by copy_), or out overlapping x other than exactly
     at::Tensor tmp = at::empty_like(x);
     fake_quant_into(tmp, x, a, num_bits, is_unsigned, narrow_range, is_unsigned);
     out.copy_(tmp);
@@ -86,23 +128,26 @@ void fake_quant_out_cpu(const at::Tensor& x, const at::Tensor& amax, int64_t num
 
 std::tuple<at::Tensor, at::Tensor> quant_cpu(const at::Tensor& x, const at::Tensor& amax, int64_t num_bits,
                                              bool is_unsigned, bool narrow_range) {
-  const at::Tensor a = prepare(x, amax, num_bits, is_unsigned);
+  const Amax a = prepare(x, amax, num_bits, is_unsigned);
   const IntBounds bd = int_bounds(num_bits, is_unsigned, narrow_range);
-  ScaleInfo si = compute_scales(a, bd.max_bound);
+  float scale = 0.f;
+  ScaleInfo si;
+  if (a.single) {
+    scale = quant_scale(a.value, bd.max_bound);
+  } else {
+    si = compute_scales(a.tensor, bd.max_bound);
+  }
   at::Tensor q = at::empty_like(x);
   if (x.numel()) {
-    auto iter = make_iter(q, {x, si.scale});
-    QuantOp op(bd.min_bound, bd.max_bound);
-    const bool neg = dispatch_float(x.scalar_type(), "inputs", [&](auto tag) {
-      using T = decltype(tag);
-      return is_unsigned ? run_unary<T, 1, true>(iter, op) : run_unary<T, 1, false>(iter, op);
-    });
+    const bool neg = run_scaled<QuantOpT>(q, x, a, scale, si.scale, false, bd, is_unsigned);
     TORCH_CHECK_VALUE(!neg, kNegativeUnsignedMsg);
   }
-  // The returned scale is 1 where amax <= 2^-24 (any scale dequantizes 0 to 0).
-  float* sp = si.scale.mutable_data_ptr<float>();
-  for (int64_t i = 0; i < si.scale.numel(); ++i) sp[i] = sp[i] == 0.f ? 1.f : sp[i];
-  return {q, si.scale.reshape(amax.sizes())};
+  // The returned scale (float32, amax's shape) is 1 where amax <= 2^-24 (any scale dequantizes 0 to 0).
+  at::Tensor s = a.single ? at::empty(amax.sizes(), x.options().dtype(at::kFloat)) : si.scale.reshape(amax.sizes());
+  float* sp = s.mutable_data_ptr<float>();
+  if (a.single) sp[0] = scale;
+  for (int64_t i = 0; i < s.numel(); ++i) sp[i] = sp[i] == 0.f ? 1.f : sp[i];
+  return {q, s};
 }
 
 at::Tensor fake_quant_backward_cpu(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& amax) {

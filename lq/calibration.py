@@ -52,7 +52,10 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
 
 
 def is_weight_quantizer(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in ("_weight_quantizer", "weight_quantizer")
+    """Weight quantizers are named ``*weight*quantizer`` (``_weight_quantizer``, ``_weight_hh_quantizer``,
+    ``_in_proj_weight_quantizer`` ...)."""
+    last = name.rsplit(".", 1)[-1]
+    return "weight" in last and last.endswith("quantizer")
 
 
 def calibrator_kind(method: str) -> str:

@@ -526,5 +526,21 @@ def test_calibrate_weights():
         calib.calibrate_weights(model, method="kl")
 
 
+def test_calibrate_weights_attention_and_lstm():
+    import lq.nn as qnn
+    from lq.convert import quantize_model
+
+    model = torch.nn.ModuleDict({"attn": torch.nn.MultiheadAttention(16, 2), "lstm": torch.nn.LSTM(8, 12)})
+    quantize_model(model)
+    out = calib.calibrate_weights(model, method="max")
+    assert isinstance(model["attn"], qnn.QuantMultiheadAttention)
+    w = model["attn"].in_proj_weight.detach()
+    assert torch.equal(out["attn._in_proj_weight_quantizer"], w.abs().amax(dim=1, keepdim=True))
+    assert torch.equal(out["attn.out_proj._weight_quantizer"],
+                       model["attn"].out_proj.weight.detach().abs().amax(dim=1, keepdim=True))
+    lstm_names = [n for n in out if n.startswith("lstm.")]
+    assert len(lstm_names) >= 2, "the LSTM's input and hidden weights are calibrated too"
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))

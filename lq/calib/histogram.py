@@ -501,28 +501,35 @@ def _fmt(t: torch.Tensor) -> str:
 def calibrate_weights(model, method="percentile", perchannel=True, percentile=99.99, num_bins=2048):
     """Calibrate the weight quantizers of ``model`` from the weights themselves.
 
-    Every TensorQuantizer whose name ends in ``weight_quantizer`` gets the
-    amax of its parent module's ``weight``: per output channel (axis 0, axis 1
-    for transposed convolutions, or the quantizer's own axis) when
-    ``perchannel``, else per tensor. ``method``: "max", "entropy", "mse" or
-    "percentile". Returns ``{name: amax}``.
+    Every quantized module reports its ``(weight quantizer, weight)`` pairs
+    (``weight_quantizer_pairs()``: one for Conv/Linear, several for LSTM and
+    attention); a quantizer that serves several weights sees all of them. Each
+    gets the amax of its weights per output channel (axis 0, axis 1 for
+    transposed convolutions, or the quantizer's own axis) when ``perchannel``,
+    else per tensor. ``method``: "max", "entropy", "mse" or "percentile".
+    Returns ``{name: amax}``.
     """
     from torch import nn
 
-    from lq.nn.modules.tensor_quantizer import TensorQuantizer
+    from lq.calib.max import MaxCalibrator
 
     if method not in HIST_METHODS:
         raise ValueError(f"calibrate_weights: method {method!r} is not supported: one of {HIST_METHODS}")
-    modules = dict(model.named_modules())
+    names = {id(m): n for n, m in model.named_modules()}
+    groups: dict = {}  # id(quantizer) -> (quantizer, parent module, [weights])
+    for _, module in model.named_modules():
+        pairs = getattr(module, "weight_quantizer_pairs", None)
+        if callable(pairs):
+            found = list(pairs())
+        else:  # a quantizer attached by hand to a float module (reference-toolkit style)
+            q = module._modules.get("_weight_quantizer")
+            found = [(q, getattr(module, "weight", None))] if q is not None else []
+        for q, w in found:
+            if isinstance(w, torch.Tensor) and q.is_enabled and not q.dynamic:
+                groups.setdefault(id(q), (q, module, []))[2].append(w.detach())
     out = {}
-    for name, q in modules.items():
-        if not isinstance(q, TensorQuantizer) or not name.endswith("weight_quantizer"):
-            continue
-        parent_name = name.rsplit(".", 1)[0] if "." in name else ""
-        parent = modules[parent_name]
-        weight = getattr(parent, "weight", None)
-        if not isinstance(weight, torch.Tensor):
-            raise ValueError(f"calibrate_weights: {name} has no weight tensor on its module {parent_name or 'model'}")
+    for q, parent, weights in groups.values():
+        name = names.get(id(q), q.name)
         if perchannel and not q.learn_amax and q.block_sizes is None:
             if q.axis is not None:
                 axis = q.axis
@@ -530,17 +537,13 @@ def calibrate_weights(model, method="percentile", perchannel=True, percentile=99
                 axis = 1 if isinstance(parent, nn.modules.conv._ConvTransposeNd) else 0
         else:
             axis = None
-        w = weight.detach()
         if method == "max":
-            from lq.calib.max import MaxCalibrator
-
             cal = MaxCalibrator(q.num_bits, axis, q.unsigned)
-            cal.collect(w)
-            amax = cal.compute_amax()
         else:
             cal = HistogramCalibrator(q.num_bits, axis, q.unsigned, num_bins=num_bins)
+        for w in weights:
             cal.collect(w)
-            amax = cal.compute_amax(method, percentile=percentile)
+        amax = cal.compute_amax() if method == "max" else cal.compute_amax(method, percentile=percentile)
         if amax is None:
             continue
         q.name = q._name or name

@@ -105,8 +105,18 @@ def translation_table() -> dict:
     def fake_affine(x, min_range, max_range, num_bits: int):
         return lqop.FakeAffineQuant(x, min_range, max_range, num_bits=int(num_bits), x_rank=_rank(x))
 
+    from onnxscript import opset18 as op
+
+    def amax(x, dim=(), keepdim: bool = False):
+        # torch.onnx's aten::amax needs an explicit dim; a dynamic per-tensor amax reduces over everything
+        if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+            return op.ReduceMax(x, keepdims=int(bool(keepdim)))
+        axes = op.Constant(value_ints=[int(d) for d in (dim if isinstance(dim, (list, tuple)) else [dim])])
+        return op.ReduceMax(x, axes, keepdims=int(bool(keepdim)))
+
     ops = torch.ops.lq
     return {
+        torch.ops.aten.amax.default: amax,
         ops.fake_quant.default: fake_quant,
         ops.quant.default: quant,
         ops.scaled_e4m3.default: scaled_e4m3,

@@ -57,15 +57,18 @@ from lq.nn.modules.quant_pooling import (
     QuantMaxPool3d,
 )
 from lq.nn.modules.quant_rnn import LSTM, LSTMCell, QuantLSTM, QuantLSTMCell
-from lq.nn.modules.tensor_quantizer import TensorQuantizer
+from lq.nn.modules.clip import Clip
+from lq.nn.modules.tensor_quantizer import (
+    AmaxShapeError,
+    TensorQuantizer,
+    iter_quantizers,
+    name_quantizers,
+    quantizers_without_data,
+    uncalibrated_quantizers,
+)
 
 Add = QuantAdd
 Cat = QuantCat
-
-try:  # the learned-range clip module, where the quantizer module provides it
-    from lq.nn.modules.clip import Clip  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
 
 #: every quantized module class, keyed by the float class it replaces
 QUANT_MODULE_CLASSES = {
@@ -100,6 +103,12 @@ QUANT_MODULE_CLASSES = {
 
 __all__ = [
     "TensorQuantizer",
+    "AmaxShapeError",
+    "Clip",
+    "iter_quantizers",
+    "name_quantizers",
+    "uncalibrated_quantizers",
+    "quantizers_without_data",
     "QuantMixin",
     "QuantInputMixin",
     "DescriptorTypeError",
