@@ -183,7 +183,8 @@ def export_fp32(model: nn.Module, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: all cores)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="onnxruntime intra-op threads (default: one table with all cores, one with 1 thread)")
     ap.add_argument("--repeats", type=int, default=7, help="timed runs per measurement (median reported)")
     ap.add_argument("--min-time", type=float, default=0.2, help="seconds per timed run")
     ap.add_argument("--channels", type=int, default=32)
@@ -218,21 +219,17 @@ def main(argv=None) -> int:
         # accuracy of each INT8 model against its own reference
         from lq.export._verify import make_session
 
-        x = batches[-1].numpy()
-        ref_fp32 = float_model(batches[-1]).detach().numpy()
+        held_out = calibration_batches(1, 32, seed=99)[0]
+        x = held_out.numpy()
+        with torch.no_grad():
+            ref_fp32 = float_model(held_out).numpy()
         out = {}
         for name, p in (("fp32", fp32), ("lq", lq8), ("ort", ort8)):
             out[name] = make_session(p).run(None, {"input": x})[0]
 
         models = {"FP32 export": fp32, "lq INT8 (export_onnx)": lq8, "ORT quantize_static INT8": ort8}
-        l1 = latencies_ms(models, 1, args.threads, args.repeats, args.min_time)
-        l32 = latencies_ms(models, 32, args.threads, args.repeats, args.min_time)
-        lat = {k: (l1[k], l32[k]) for k in models}
-        rows = [(k, l1[k], l32[k], os.path.getsize(p) / 1024, ort_int8_ops(p)) for k, p in models.items()]
-
         print(f"bench.onnx_export: BenchCNN(c={args.channels}) 32x32x3, onnxruntime "
-              f"{__import__('onnxruntime').__version__} CPU, threads={args.threads or os.cpu_count()}, "
-              f"median of {args.repeats} runs")
+              f"{__import__('onnxruntime').__version__} CPU ({os.cpu_count()} cores), median of {args.repeats} runs")
         print(f"lq export: {t_export:.2f} s ({'dynamo' if args.dynamo else 'legacy'}), max |ORT - PyTorch fake-quant| "
               f"= {res.max_abs_diff:.3g} (tolerance {res.tolerance:.3g}), BN folded: "
               f"{sum(1 for f in res.folded_bn if not f.skipped)}")
@@ -240,18 +237,24 @@ def main(argv=None) -> int:
               f"argmax match {np.mean(out['lq'].argmax(1) == ref_fp32.argmax(1)):.1%}; ORT INT8 max|diff| "
               f"{np.abs(out['ort'] - ref_fp32).max():.3g}, argmax match "
               f"{np.mean(out['ort'].argmax(1) == ref_fp32.argmax(1)):.1%}")
-        print()
-        hdr = f"{'model':<27}{'batch 1 ms':>11}{'batch 32 ms':>13}{'speedup b1':>12}{'speedup b32':>13}{'size KiB':>10}  INT8 kernels"
-        print(hdr)
-        print("-" * len(hdr))
-        b1, b32 = lat["FP32 export"]
-        for name, l1, l32, size, ops in rows:
-            print(f"{name:<27}{l1:>11.3f}{l32:>13.3f}{b1 / l1:>11.2f}x{b32 / l32:>12.2f}x{size:>10.1f}  {ops}")
-        lq32 = lat["lq INT8 (export_onnx)"][1]
-        ort32 = lat["ORT quantize_static INT8"][1]
-        print()
-        print(f"lq INT8 vs FP32 at batch 32: {b32 / lq32:.2f}x (target >= 2.5x); "
-              f"ORT quantize_static: {b32 / ort32:.2f}x; lq / ORT-static speed: {ort32 / lq32:.2f}x")
+        ops = {k: ort_int8_ops(p) for k, p in models.items()}
+        thread_settings = [args.threads] if args.threads else [0, 1]
+        for threads in thread_settings:
+            l1 = latencies_ms(models, 1, threads, args.repeats, args.min_time)
+            l32 = latencies_ms(models, 32, threads, args.repeats, args.min_time)
+            print()
+            print(f"intra-op threads: {threads or 'onnxruntime default (all cores)'}")
+            hdr = (f"{'model':<27}{'batch 1 ms':>11}{'batch 32 ms':>13}{'speedup b1':>12}{'speedup b32':>13}"
+                   f"{'size KiB':>10}  INT8 kernels")
+            print(hdr)
+            print("-" * len(hdr))
+            b1, b32 = l1["FP32 export"], l32["FP32 export"]
+            for name, p in models.items():
+                print(f"{name:<27}{l1[name]:>11.3f}{l32[name]:>13.3f}{b1 / l1[name]:>11.2f}x{b32 / l32[name]:>12.2f}x"
+                      f"{os.path.getsize(p) / 1024:>10.1f}  {ops[name]}")
+            lq32, ort32 = l32["lq INT8 (export_onnx)"], l32["ORT quantize_static INT8"]
+            print(f"lq INT8 vs FP32 at batch 32: {b32 / lq32:.2f}x (target >= 2.5x); ORT quantize_static: "
+                  f"{b32 / ort32:.2f}x; lq / ORT-static speed: {ort32 / lq32:.2f}x")
     return 0
 
 

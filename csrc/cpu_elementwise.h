@@ -42,10 +42,11 @@ inline decltype(auto) dispatch_float(at::ScalarType t, const char* what, F&& f) 
 }
 
 // A TensorIterator over a preallocated output and the given inputs (dtypes may differ).
+// It owns references to every operand, so temporaries may be passed.
 inline at::TensorIterator make_iter(const at::Tensor& out, std::initializer_list<at::Tensor> inputs) {
   at::TensorIteratorConfig cfg;
-  cfg.set_check_mem_overlap(true).check_all_same_dtype(false).resize_outputs(false).add_output(out);
-  for (const auto& t : inputs) cfg.add_const_input(t);
+  cfg.set_check_mem_overlap(true).check_all_same_dtype(false).resize_outputs(false).add_owned_output(out);
+  for (const auto& t : inputs) cfg.add_owned_const_input(t);
   return cfg.build();
 }
 
@@ -284,9 +285,9 @@ inline at::Tensor mask_kernel(const at::Tensor& grad, const at::Tensor& x, const
   at::Tensor out = grad.sizes() == at::IntArrayRef(shape) ? at::empty_like(grad) : at::empty(shape, grad.options());
   if (out.numel() == 0) return out;
   at::TensorIteratorConfig cfg;
-  cfg.set_check_mem_overlap(true).check_all_same_dtype(false).resize_outputs(false).add_output(out);
-  cfg.add_const_input(grad).add_const_input(xx);
-  for (const auto& t : params) cfg.add_const_input(t);
+  cfg.set_check_mem_overlap(true).check_all_same_dtype(false).resize_outputs(false).add_owned_output(out);
+  cfg.add_owned_const_input(grad).add_owned_const_input(xx);
+  for (const auto& t : params) cfg.add_owned_const_input(t);
   auto iter = cfg.build();
   dispatch_float(grad.scalar_type(), "grad", [&](auto gtag) {
     using G = decltype(gtag);

@@ -223,6 +223,36 @@ def test_fake_quant_empty_and_scalar(ext):
         assert_bitwise(OPS.fake_quant(x, amax, 8, False, True), R.fake_quant(x, amax, 8, False, True))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_single_amax_every_layout(ext, dtype):
+    """A one-element amax (any shape, any float dtype) with contiguous, transposed, stepped and expanded x."""
+    rng = random.Random(17)
+    base = rand_x((33, 70), dtype, rng)
+    layouts = {"contiguous": base, "transposed": base.t(), "stepped": base[:, ::3], "sliced": base[1:, 5:],
+               "expanded": base[:1].expand(9, 70), "big": rand_x((70_001,), dtype, rng),
+               "big stepped": rand_x((140_002,), dtype, rng)[::2]}
+    for name, x in layouts.items():
+        g = torch.randn(x.shape).to(dtype)
+        for amax in (torch.tensor(2.5), torch.tensor([[2.5]]), torch.tensor(2.5, dtype=torch.float16),
+                     torch.tensor([2.5], dtype=torch.float64), torch.tensor(0.0)):
+            if amax.dim() > x.dim():
+                continue  # the kernels return x's shape (as the fake impls say); the reference would broadcast
+            what = f"{name} amax {amax.dtype}{tuple(amax.shape)}"
+            assert_bitwise(OPS.fake_quant(x, amax, 5, False, True), R.fake_quant(x, amax, 5, False, True), what)
+            for got, want in zip(OPS.quant(x, amax, 7, False, False), R.quant(x, amax, 7, False, False)):
+                assert_bitwise(got, want, "quant " + what)
+            assert_bitwise(OPS.scaled_e4m3(x, amax), R.scaled_e4m3(x, amax), "e4m3 " + what)
+            assert_bitwise(OPS.fake_quant_backward(g, x, amax), R.fake_quant_backward(g, x, amax), "bwd " + what)
+            lo = -amax * 0.5
+            assert_bitwise(OPS.fake_affine_quant(x, lo, amax + 0.1, 8), R.fake_affine_quant(x, lo, amax + 0.1, 8),
+                           "affine " + what)
+            assert_bitwise(OPS.fake_affine_quant_backward(g, x, lo, amax), R.fake_affine_quant_backward(g, x, lo, amax),
+                           "affine bwd " + what)
+            out = torch.empty(x.shape, dtype=dtype)
+            OPS.fake_quant_out(x, amax, 5, False, True, out)
+            assert_bitwise(out, R.fake_quant(x, amax, 5, False, True), "out= " + what)
+
+
 def test_large_tensors_parallel_paths(ext):
     """Sizes above the parallel grain, odd lengths (vector tails), per-tensor and per-row."""
     rng = random.Random(7)

@@ -164,7 +164,10 @@ class QuantCalibrate(L.Callback):
         if st["seen"] == 0:
             raise calibration.CalibrationError("the validation dataloader produced no batches to calibrate on")
         calibration.sync(st["quantizers"])
-        self.last_amax = calibration.load_amax(st["quantizers"], st["methods"], percentile=self.calib.percentile)
+        # validate() runs under inference_mode: amax made there could never be saved for backward
+        # later (QAT, a learned amax), so it is computed as ordinary tensors.
+        with torch.inference_mode(False), torch.no_grad():
+            self.last_amax = calibration.load_amax(st["quantizers"], st["methods"], percentile=self.calib.percentile)
         self.calibrated = True
         rank_zero_info(f"lq: calibrated {len(self.last_amax)} quantizer(s) with method={self.calib.method}")
 
