@@ -412,3 +412,51 @@ def register_configs() -> None:
     cs.store(group="schema", name="calib", node=CalibConfig)
     cs.store(group="schema", name="qat", node=QATConfig)
     cs.store(group="schema", name="export", node=ExportConfig)
+
+
+def _attribute_docs(cls) -> Dict[str, str]:
+    """``{field: text}`` from the ``Attributes:`` section of a dataclass docstring."""
+    import inspect
+    import re
+
+    doc = inspect.getdoc(cls) or ""
+    if "Attributes:" not in doc:
+        return {}
+    out: Dict[str, str] = {}
+    current = None
+    for line in doc.split("Attributes:", 1)[1].splitlines():
+        m = re.match(r"^    ([\w, ]+): (.*)$", line)
+        if m:
+            names = [n.strip() for n in m.group(1).split(",")]
+            current = names
+            for n in names:
+                out[n] = m.group(2).strip()
+        elif current and line.startswith("        "):
+            for n in current:
+                out[n] += " " + line.strip()
+    return out
+
+
+def reference_markdown() -> str:
+    """The README's config reference, generated from the dataclasses (fields, defaults, docs)."""
+    sections = [
+        ("quant (`QuantConfig`)", QuantConfig, "Recipes: " + ", ".join(f"`{k}` ({v.__name__})" for k, v in RECIPES.items()) + "."),
+        ("quant.input / quant.weight (`QuantizerConfig`)", QuantizerConfig, ""),
+        ("calib (`CalibConfig`)", CalibConfig, ""),
+        ("qat (`QATConfig`)", QATConfig, ""),
+        ("export (`ExportConfig`)", ExportConfig, ""),
+        ("lq-train job (`JobConfig`)", JobConfig, ""),
+    ]
+    parts = []
+    for title, cls, note in sections:
+        docs = _attribute_docs(cls)
+        inst = cls()
+        lines = [f"**{title}**" + (f" — {note}" if note else ""), "", "| field | default | meaning |", "|---|---|---|"]
+        for f in fields(cls):
+            default = getattr(inst, f.name)
+            if f.name in ("quant", "calib", "qat", "export", "input", "weight"):
+                default = "see below" if cls is JobConfig else ("per-tensor int8" if f.name == "input" else "per-channel int8")
+            text = docs.get(f.name, "").replace("|", "\\|")
+            lines.append(f"| `{f.name}` | `{default}` | {text} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)

@@ -120,3 +120,14 @@ def test_lightning_cli_parses_callback_config(tmp_path):
         p.instantiate(p.parse_args(["--cb.calib.method=kl"]))
     names = {f.name for f in fields(C.CalibConfig)}
     assert {"method", "num_batches", "percentile"} <= names
+
+
+def test_readme_config_reference_is_current():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "scripts" / "update_readme.py"), "--check"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -439,6 +439,8 @@ def export_onnx(
     g = _graph.Graph(proto)
     if _graph.global_pools(g, ranks):
         proto = g.finalize()
+    layer_of = {n.name: _graph.layer_name(n) for n in proto.graph.node}
+    unfused = _graph.unfused_layers(proto, layer_of) if target == "onnxruntime" else []
     if not keep_metadata:
         _graph.strip_metadata(proto)
     _graph.remove_placeholder_opset(proto)
@@ -489,11 +491,10 @@ def export_onnx(
         except Exception as e:  # pragma: no cover - diagnostics only
             notes.append(f"could not inspect onnxruntime's optimized graph: {_short(e)}")
     if check_fusion and target == "onnxruntime" and ort_ops:
-        n_conv = sum(1 for n in proto.graph.node if n.op_type in ("Conv", "MatMul", "Gemm"))
-        n_fused = sum(ort_ops.get(k, 0) for k in ("QLinearConv", "QLinearMatMul", "QGemm", "MatMulIntegerToFloat"))
-        if ort_ops.get("Conv", 0) or ort_ops.get("FusedConv", 0):
-            notes.append(f"onnxruntime runs {ort_ops.get('Conv', 0) + ort_ops.get('FusedConv', 0)} conv(s) in float "
-                         f"({n_fused} of {n_conv} conv/matmul/gemm fused to INT8 kernels)")
+        n_float = sum(ort_ops.get(k, 0) for k in ("Conv", "FusedConv", "Gemm", "MatMul", "FusedGemm", "FusedMatMul"))
+        if n_float:
+            why = "; ".join(unfused) if unfused else "see onnxruntime's optimized graph"
+            notes.append(f"onnxruntime runs {n_float} conv/gemm/matmul in float: {why}")
     return ExportResult(
         path=path, opset=opset, exporter=exporter, max_abs_diff=max_diff, tolerance=tol, providers=providers,
         file_size=os.path.getsize(path), quantized=infos, folded_bn=folds, ort_ops=ort_ops,
