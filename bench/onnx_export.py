@@ -24,7 +24,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 
 import numpy as np
 import torch

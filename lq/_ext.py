@@ -84,7 +84,7 @@ def build_flags() -> tuple[list[str], list[str], list[str]]:
     # where the reference (lq/_reference.py) rounds.
     cflags = ["-O3", "-fopenmp", "-ffp-contract=off", "-DNDEBUG", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"]
     cflags += _CAPABILITY_FLAGS[cap]
-    cuda_flags = ["-O3", "-std=c++17"]  # no --use_fast_math: results must match the CPU bit for bit
+    cuda_flags = ["-O3"]  # no --use_fast_math: results must match the CPU bit for bit; -std as torch sets it
     ldflags = ["-fopenmp"]
     return cflags, cuda_flags, ldflags
 
@@ -92,8 +92,9 @@ def build_flags() -> tuple[list[str], list[str], list[str]]:
 def _build_name(sources: list[str], flags) -> str:
     h = hashlib.sha256()
     src = source_dir()
+    suffixes = (".cpp", ".h", ".cu", ".cuh") if any(s.endswith(".cu") for s in sources) else (".cpp", ".h")
     for p in sorted(src.rglob("*")):
-        if p.is_file() and p.suffix in (".cpp", ".h", ".cu", ".cuh"):
+        if p.is_file() and p.suffix in suffixes and (p.suffix not in (".cpp", ".h") or p.parent == src):
             h.update(p.name.encode())
             h.update(p.read_bytes())
     h.update(torch.__version__.encode())

@@ -42,6 +42,11 @@ def int_bounds(num_bits: int, unsigned: bool, narrow_range: bool) -> tuple[float
     return min_bound, max_bound
 
 
+def _fit(amax: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A one-element amax with more dims than ``x`` acts as a scalar (the output keeps x's shape)."""
+    return amax.reshape(()) if amax.dim() > x.dim() and amax.numel() == 1 else amax
+
+
 def quant_scale(amax: torch.Tensor, num_bits: int, unsigned: bool) -> torch.Tensor:
     """``max_bound / amax`` in float32, and 0 where ``amax <= AMAX_EPSILON``."""
     amax = amax.float()
@@ -62,7 +67,7 @@ def fake_quant(x, amax, num_bits: int = 8, unsigned: bool = False, narrow_range:
     ``amax`` broadcasts against ``x`` (a scalar for per-tensor, size-1 dims
     elsewhere for per-channel). Where ``amax <= 2^-24`` the output is 0.
     """
-    scale = quant_scale(amax, num_bits, unsigned)
+    scale = quant_scale(_fit(amax, x), num_bits, unsigned)
     q = _quantize(x, scale, num_bits, unsigned, narrow_range)
     out = torch.where(scale == 0, torch.zeros_like(q), q / scale)
     return out.to(x.dtype)
@@ -70,7 +75,7 @@ def fake_quant(x, amax, num_bits: int = 8, unsigned: bool = False, narrow_range:
 
 def fake_quant_backward(grad, x, amax):
     """Straight-through estimator with clipping: ``grad`` where ``|x| <= amax`` (inclusive), else 0."""
-    inside = x.float().abs() <= amax.float()
+    inside = x.float().abs() <= _fit(amax, x).float()
     return torch.where(inside, grad, torch.zeros_like(grad))
 
 
@@ -81,7 +86,7 @@ def quant(x, amax, num_bits: int = 8, unsigned: bool = False, narrow_range: bool
     and the returned scale is 1 (any scale dequantizes 0 to 0).
     """
     scale = quant_scale(amax, num_bits, unsigned)
-    q = _quantize(x, scale, num_bits, unsigned, narrow_range)
+    q = _quantize(x, _fit(scale, x), num_bits, unsigned, narrow_range)
     scale_out = torch.where(scale == 0, torch.ones_like(scale), scale)
     return q.to(x.dtype), scale_out
 
@@ -122,7 +127,7 @@ def scaled_e4m3(x, amax):
 
     Where ``amax <= 2^-24`` the output is 0.
     """
-    amax = amax.float()
+    amax = _fit(amax, x).float()
     scale = E4M3_MAX / amax
     scale = torch.where(amax <= AMAX_EPSILON, torch.zeros_like(scale), scale)
     y = round_to_e4m3(x.float() * scale)
@@ -157,7 +162,8 @@ def fake_dynamic_block_quant(x, axis: int, block_size: int, num_bits: int = 8, u
     """Block quantization with the amax of each block computed from the block itself."""
     xb = _block_view(x, axis, block_size)
     amax = block_amax(x, axis, block_size)
-    return fake_quant(xb, amax, num_bits, unsigned, narrow_range).reshape(x.shape)
+    out = fake_quant(xb, amax, num_bits, unsigned, narrow_range).reshape(x.shape)
+    return torch.empty_like(x).copy_(out)  # the layout of empty_like(x), as the fake impl promises
 
 
 def abs_histogram(x, range_max, num_bins: int, axis: int | None = None):

@@ -359,3 +359,28 @@ def test_dynamic_block_quant_activation_is_refused_weights_are_blocked(tmp_path)
     dq = [n for n in _nodes(path, "DequantizeLinear") if _attr(n, "block_size")]
     assert len(dq) == 1 and _attr(dq[0], "block_size") == 16
     assert res.max_abs_diff <= res.tolerance
+
+
+def test_tensor_read_by_two_quantizers_still_fuses_exactly(tmp_path):
+    # the stem's ReLU output feeds block.conv1 (unsigned quantizer) and the residual add (signed, shared amax):
+    # the stem conv is computed once per quantizer so each copy fuses, and numerics stay exact
+    torch.manual_seed(0)
+    model = SmallNet()
+    _randomize_bn(model)
+    model = _quantized(model, overrides={"block.conv1": {"input": {"num_bits": 8, "unsigned": True}}})
+    path = str(tmp_path / "shared.onnx")
+    res = export_onnx(model, _sample(), path, dynamo=False)
+    assert res.max_abs_diff <= 1e-3 * max(1.0, float(np.abs(_ref(model, _sample())).max()))
+    ops = optimized_op_counts(path)
+    assert ops["QLinearConv"] == 4 and ops.get("Conv", 0) == 0 and ops.get("FusedConv", 0) == 0
+    assert not [w for w in res.warnings if "float" in w]
+
+
+def test_dynamic_amax_quantizer_exports_with_computed_scale(tmp_path):
+    dyn = QuantDescriptor(num_bits=8, dynamic=True)
+    model = nn.Sequential(qnn.QuantConv2d(3, 4, 3, quant_desc_input=dyn, quant_desc_weight=QuantDescriptor(
+        num_bits=8, axis=0, amax=[0.5, 0.6, 0.7, 0.8]))).eval()
+    x = torch.randn(4, 3, 8, 8)
+    res = export_onnx(model, x, tmp_path / "dyn.onnx", dynamo=False)
+    assert res.max_abs_diff <= 1e-5
+    assert {"ReduceMax", "QuantizeLinear"} <= {n.op_type for n in onnx.load(tmp_path / "dyn.onnx").graph.node}

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from lq import _ext, _ops, _reference as R  # noqa: F401
+from lq import _ext, _ops  # noqa: F401
+from lq import _reference as R
 
 torch.set_flush_denormal(True)
 

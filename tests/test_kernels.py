@@ -18,7 +18,8 @@ import random
 import pytest
 import torch
 
-from lq import _ext, _ops, _reference as R  # noqa: F401  (_ops registers torch.ops.lq)
+from lq import _ext, _ops
+from lq import _reference as R
 
 torch.set_flush_denormal(True)
 
@@ -206,6 +207,7 @@ def test_fake_quant_amax_dtypes_and_shapes(ext):
                        f"amax {amax.dtype} {tuple(amax.shape)}")
         q, s = OPS.quant(x, amax, 8, False, True)
         assert s.dtype == torch.float32 and s.shape == amax.shape
+        assert_bitwise(q, R.quant(x, amax, 8, False, True)[0])
         assert_bitwise(s, R.quant(x, amax, 8, False, True)[1])
 
 
@@ -217,6 +219,7 @@ def test_fake_quant_empty_and_scalar(ext):
                 assert_bitwise(OPS.fake_quant(x, amax, 8, False, True), R.fake_quant(x, amax, 8, False, True))
                 q, s = OPS.quant(x, amax, 8, False, True)
                 assert_bitwise(q, R.quant(x, amax, 8, False, True)[0])
+                assert_bitwise(s, R.quant(x, amax, 8, False, True)[1])
                 assert_bitwise(OPS.scaled_e4m3(x, amax), R.scaled_e4m3(x, amax))
         x = torch.randn(3, 0)
         amax = torch.ones(3, 1)
@@ -355,7 +358,7 @@ def test_autograd_fake_quant_and_quant(dtype):
     assert torch.equal(x.grad, want)
     assert x.grad[0, 0] == g[0, 0] and x.grad[1, 1] == g[1, 1]
     x.grad = None
-    q, s = OPS.quant(x, amax, 8, False, True)
+    q, _ = OPS.quant(x, amax, 8, False, True)
     q.backward(g)
     assert torch.equal(x.grad, want)
     x.grad = None

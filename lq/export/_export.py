@@ -392,7 +392,8 @@ def export_onnx(
     with torch.no_grad(), _export_mode(work):
         ref_out = [o.detach().float().numpy() for o in _flatten_out(work(*args))]
     n_in = len([a for a in args if isinstance(a, torch.Tensor)])
-    input_names = list(input_names) if input_names else (["input"] if n_in == 1 else [f"input_{i}" for i in range(n_in)])
+    input_names = list(input_names) if input_names else (
+        ["input"] if n_in == 1 else [f"input_{i}" for i in range(n_in)])
     output_names = list(output_names) if output_names else (
         ["output"] if len(ref_out) == 1 else [f"output_{i}" for i in range(len(ref_out))])
 

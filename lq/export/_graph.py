@@ -414,7 +414,7 @@ def lower_placeholders(g: Graph, opts: LowerOptions, infos: list[QuantNodeInfo])
 
 def _lower_one(g: Graph, n, layer: str, opts: LowerOptions, infos) -> list:
     op = n.op_type
-    x, out = n.input[0], n.output[0]
+    x = n.input[0]
     x_rank = int(attr(n, "x_rank", -1))
     xc = g.const(x)
     if xc is not None:
@@ -985,9 +985,9 @@ def quantize_bias(g: Graph) -> int:
     what onnxruntime's QLinearConv/QGemm (and TensorRT) take. The rounding error is at most half of
     ``s_input * s_weight``, far below one output quantization step.
     """
-    prod, cons = g.producers(), g.consumers()
+    prod = g.producers()
     done = 0
-    for n in g.nodes:
+    for n in list(g.nodes):
         if n.op_type not in ("Conv", "Gemm") or len(n.input) < 3 or not n.input[2]:
             continue
         b = g.const(n.input[2])
