@@ -7,6 +7,7 @@
 //   inner  > 1: a block is block_size rows of a tile of the inner dim, whose
 //               per-column amax is reduced with vector maxima first.
 // Numerics are those of fake_quant with amax = the block amax.
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -141,9 +142,12 @@ at::Tensor fake_dynamic_block_quant_cpu(const at::Tensor& x, int64_t axis, int64
   const int64_t n = x.dim() ? x.size(ax) : 1;
   TORCH_CHECK_VALUE(n % block_size == 0, "block size ", block_size, " does not divide dim ", ax, " of size ", n,
                     ": allowed block sizes are divisors of ", n);
+  // The result has the strides of empty_like(x), as the op's fake impl says; the kernel
+  // works on contiguous data (a copy in and out only for a non-contiguous x).
+  at::Tensor out = at::empty_like(x);
+  if (x.numel() == 0) return out;
   const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty(xc.sizes(), xc.options());
-  if (xc.numel() == 0) return out;
+  at::Tensor yc = out.is_contiguous() ? out : at::empty(xc.sizes(), xc.options());
   int64_t outer = 1, inner = 1;
   for (int64_t d = 0; d < ax; ++d) outer *= x.size(d);
   for (int64_t d = ax + 1; d < x.dim(); ++d) inner *= x.size(d);
@@ -151,7 +155,7 @@ at::Tensor fake_dynamic_block_quant_cpu(const at::Tensor& x, int64_t axis, int64
   const bool neg = dispatch_float(x.scalar_type(), "inputs", [&](auto tag) {
     using T = decltype(tag);
     const T* xp = xc.const_data_ptr<T>();
-    T* yp = out.mutable_data_ptr<T>();
+    T* yp = yc.mutable_data_ptr<T>();
     if (inner == 1) {
       return is_unsigned ? blocks_contiguous<T, true>(xp, yp, outer * (n / block_size), block_size, bd)
                          : blocks_contiguous<T, false>(xp, yp, outer * (n / block_size), block_size, bd);
@@ -160,6 +164,7 @@ at::Tensor fake_dynamic_block_quant_cpu(const at::Tensor& x, int64_t axis, int64
                        : blocks_strided<T, false>(xp, yp, outer, n, inner, block_size, bd);
   });
   TORCH_CHECK_VALUE(!neg, kNegativeUnsignedMsg);
+  if (!yc.is_same(out)) out.copy_(yc);
   return out;
 }
 

@@ -142,11 +142,16 @@ std::tuple<at::Tensor, at::Tensor> quant_cpu(const at::Tensor& x, const at::Tens
     const bool neg = run_scaled<QuantOpT>(q, x, a, scale, si.scale, false, bd, is_unsigned);
     TORCH_CHECK_VALUE(!neg, kNegativeUnsignedMsg);
   }
-  // The returned scale (float32, amax's shape) is 1 where amax <= 2^-24 (any scale dequantizes 0 to 0).
-  at::Tensor s = a.single ? at::empty(amax.sizes(), x.options().dtype(at::kFloat)) : si.scale.reshape(amax.sizes());
-  float* sp = s.mutable_data_ptr<float>();
-  if (a.single) sp[0] = scale;
-  for (int64_t i = 0; i < s.numel(); ++i) sp[i] = sp[i] == 0.f ? 1.f : sp[i];
+  // The returned scale (float32, like empty_like(amax)) is 1 where amax <= 2^-24
+  // (any scale dequantizes 0 to 0).
+  at::Tensor s = at::empty_like(amax, amax.options().dtype(at::kFloat));
+  if (a.single) {
+    *s.mutable_data_ptr<float>() = scale == 0.f ? 1.f : scale;
+  } else {
+    float* sp = si.scale.mutable_data_ptr<float>();
+    for (int64_t i = 0; i < si.scale.numel(); ++i) sp[i] = sp[i] == 0.f ? 1.f : sp[i];
+    s.copy_(si.scale.reshape(amax.sizes()));
+  }
   return {q, s};
 }
 

@@ -106,19 +106,19 @@ def histogram_figure(name: str, cal, percentile: float = 99.99):
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    counts, edges = cal.histogram()
-    counts = counts.float().cpu().numpy()
-    edges = edges.float().cpu().numpy()
+    counts = cal._calib_hist.float().cpu().numpy()  # the reference toolkit's attribute names
+    edges = cal._calib_bin_edges.float().cpu().numpy()
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.bar(edges[:-1], counts, width=edges[1] - edges[0], align="edge", color="#7a9cc6", linewidth=0)
     ax.set_yscale("log")
-    picks = {"max": float(edges[-1])}
+    picks = {"max": float(cal.compute_amax("max"))}  # the exact absmax (the last edge is the grid's top)
     for method in ("entropy", "mse", "percentile"):
         kwargs = {"percentile": percentile} if method == "percentile" else {}
         picks[method] = float(cal.compute_amax(method, **kwargs))
     colors = {"max": "black", "entropy": "tab:red", "mse": "tab:green", "percentile": "tab:orange"}
     for method, amax in picks.items():
         ax.axvline(amax, color=colors[method], linestyle="--", label=f"{method}: {amax:.3g}")
+    ax.set_xlim(0, max(picks.values()) * 1.05)
     ax.set_title(name, fontsize=9)
     ax.set_xlabel("|x|")
     ax.legend(fontsize=7)

@@ -384,3 +384,19 @@ def test_dynamic_amax_quantizer_exports_with_computed_scale(tmp_path):
     res = export_onnx(model, x, tmp_path / "dyn.onnx", dynamo=False)
     assert res.max_abs_diff <= 1e-5
     assert {"ReduceMax", "QuantizeLinear"} <= {n.op_type for n in onnx.load(tmp_path / "dyn.onnx").graph.node}
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_static_block_weights_export_as_blocked_dequantize(tmp_path, dynamo):
+    from lq.calibration import calibrate_model
+
+    blk = QuantDescriptor(num_bits=8, block_sizes={-1: 16, "type": "static"})
+    model = nn.Sequential(qnn.QuantLinear(32, 8, quant_desc_weight=blk)).eval()
+    calibrate_model(model, [torch.randn(8, 32)])
+    path = str(tmp_path / "static_blk.onnx")
+    res = export_onnx(model, torch.randn(4, 32), path, opset=21, dynamo=dynamo, check_fusion=False)
+    assert res.max_abs_diff <= 1e-5
+    (dq,) = [n for n in _nodes(path, "DequantizeLinear") if _attr(n, "block_size")]
+    inits = _init(path)
+    assert inits[dq.input[0]].shape == (8, 32) and inits[dq.input[0]].dtype == np.int8
+    assert inits[dq.input[1]].shape == (8, 2) and _attr(dq, "axis") == 1 and _attr(dq, "block_size") == 16

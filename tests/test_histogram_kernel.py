@@ -26,7 +26,8 @@ def ext():
 
 def assert_same(got, want, what=""):
     for name, g, w in zip(("counts", "absmax", "nonfinite"), got, want):
-        assert g.dtype == w.dtype and g.shape == w.shape, f"{what} {name}: {g.dtype}{tuple(g.shape)} vs {w.dtype}{tuple(w.shape)}"
+        got_meta, want_meta = (g.dtype, tuple(g.shape)), (w.dtype, tuple(w.shape))
+        assert got_meta == want_meta, f"{what} {name}: {got_meta} vs {want_meta}"
         assert torch.equal(g, w), f"{what} {name} differ: {g} vs {w}"
 
 

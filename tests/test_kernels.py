@@ -236,21 +236,21 @@ def test_single_amax_every_layout(ext, dtype):
                "big stepped": rand_x((140_002,), dtype, rng)[::2]}
     for name, x in layouts.items():
         g = torch.randn(x.shape).to(dtype)
-        for amax in (torch.tensor(2.5), torch.tensor([[2.5]]), torch.tensor(2.5, dtype=torch.float16),
-                     torch.tensor([2.5], dtype=torch.float64), torch.tensor(0.0)):
-            if amax.dim() > x.dim():
-                continue  # the kernels return x's shape (as the fake impls say); the reference would broadcast
+        for amax in (torch.tensor(2.5), torch.tensor([[2.5]]), torch.full((1, 1, 1), 2.5),
+                     torch.tensor(2.5, dtype=torch.float16), torch.tensor([2.5], dtype=torch.float64),
+                     torch.tensor(0.0)):
             what = f"{name} amax {amax.dtype}{tuple(amax.shape)}"
             assert_bitwise(OPS.fake_quant(x, amax, 5, False, True), R.fake_quant(x, amax, 5, False, True), what)
             for got, want in zip(OPS.quant(x, amax, 7, False, False), R.quant(x, amax, 7, False, False)):
                 assert_bitwise(got, want, "quant " + what)
             assert_bitwise(OPS.scaled_e4m3(x, amax), R.scaled_e4m3(x, amax), "e4m3 " + what)
             assert_bitwise(OPS.fake_quant_backward(g, x, amax), R.fake_quant_backward(g, x, amax), "bwd " + what)
-            lo = -amax * 0.5
-            assert_bitwise(OPS.fake_affine_quant(x, lo, amax + 0.1, 8), R.fake_affine_quant(x, lo, amax + 0.1, 8),
-                           "affine " + what)
-            assert_bitwise(OPS.fake_affine_quant_backward(g, x, lo, amax), R.fake_affine_quant_backward(g, x, lo, amax),
-                           "affine bwd " + what)
+            if amax.dim() <= x.dim():  # (affine ranges of higher rank broadcast x in the reference)
+                lo = -amax * 0.5
+                assert_bitwise(OPS.fake_affine_quant(x, lo, amax + 0.1, 8),
+                               R.fake_affine_quant(x, lo, amax + 0.1, 8), "affine " + what)
+                assert_bitwise(OPS.fake_affine_quant_backward(g, x, lo, amax),
+                               R.fake_affine_quant_backward(g, x, lo, amax), "affine bwd " + what)
             out = torch.empty(x.shape, dtype=dtype)
             OPS.fake_quant_out(x, amax, 5, False, True, out)
             assert_bitwise(out, R.fake_quant(x, amax, 5, False, True), "out= " + what)
@@ -333,7 +333,8 @@ def test_fake_quant_backward_random(ext, dtype):
     x = torch.randn(8, 8).to(dtype)
     g32 = torch.randn(8, 8)
     amax = torch.tensor(0.7)
-    assert_bitwise(OPS.fake_quant_backward(g32, x, amax), R.fake_quant_backward(g32, x, amax), "grad fp32, x " + str(dtype))
+    assert_bitwise(OPS.fake_quant_backward(g32, x, amax), R.fake_quant_backward(g32, x, amax),
+                   f"grad float32, x {dtype}")
 
 
 def test_ste_boundary_is_inclusive(ext):
@@ -576,24 +577,30 @@ def test_public_api_uses_the_kernels(ext):
 
 
 # ====================================================================== tracing still sees the schema
-def test_fake_impls_agree_with_kernel_shapes(ext):
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_fake_impls_agree_with_kernel_shapes_and_strides(ext, layout):
+    """What torch.compile/export trace (the fake impls) is what the kernels return: shapes, dtypes, strides."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    x = torch.randn(3, 8)
-    amax = torch.rand(3, 1) + 0.5
-    real = [OPS.fake_quant(x, amax, 8, False, True), *OPS.quant(x, amax, 8, False, True),
-            OPS.scaled_e4m3(x, amax), OPS.fake_dynamic_block_quant(x, 1, 4, 8, False, True),
-            OPS.fake_quant_backward(x, x, amax), *OPS.abs_histogram(x, torch.tensor(2.0), 16, None),
-            *OPS.abs_histogram(x, torch.ones(8), 16, 1)]
+    x = torch.randn(8, 3) if layout == "contiguous" else torch.randn(3, 8).t()
+    amax = torch.rand(8, 1) + 0.5 if layout == "contiguous" else (torch.rand(1, 8) + 0.5).t()
+    two, ones = torch.tensor(2.0), torch.ones(3)
+
+    def calls(xx, aa, tt, oo):
+        return [OPS.fake_quant(xx, aa, 8, False, True), *OPS.quant(xx, aa, 8, False, True),
+                OPS.scaled_e4m3(xx, aa), OPS.fake_dynamic_block_quant(xx, 0, 4, 8, False, True),
+                OPS.fake_affine_quant(xx, -tt, tt, 8), OPS.fake_affine_quant_backward(xx, xx, -tt, tt),
+                OPS.fake_quant_backward(xx, xx, aa), *OPS.abs_histogram(xx, tt, 16, None),
+                *OPS.abs_histogram(xx, oo, 16, 1)]
+
+    real = calls(x, amax, two, ones)
     with FakeTensorMode() as mode:
-        fx, famax = mode.from_tensor(x), mode.from_tensor(amax)
-        fake = [OPS.fake_quant(fx, famax, 8, False, True), *OPS.quant(fx, famax, 8, False, True),
-                OPS.scaled_e4m3(fx, famax), OPS.fake_dynamic_block_quant(fx, 1, 4, 8, False, True),
-                OPS.fake_quant_backward(fx, fx, famax),
-                *OPS.abs_histogram(fx, mode.from_tensor(torch.tensor(2.0)), 16, None),
-                *OPS.abs_histogram(fx, mode.from_tensor(torch.ones(8)), 16, 1)]
-    for r, f in zip(real, fake):
-        assert r.shape == f.shape and r.dtype == f.dtype
+        fake = calls(*(mode.from_tensor(t) for t in (x, amax, two, ones)))
+    def strides(t):  # the stride of a size-1 dim means nothing
+        return tuple(st for n, st in zip(t.shape, t.stride()) if n > 1)
+
+    for i, (r, f) in enumerate(zip(real, fake)):
+        assert (r.shape, r.dtype, strides(r)) == (f.shape, f.dtype, strides(f)), f"output {i}"
 
 
 def test_threads_do_not_change_results(ext):

@@ -20,15 +20,21 @@ Numerics of the lowering:
   (``k = gamma / sqrt(var + eps)``), which turns a per-tensor weight scale
   into a per-channel one;
 * FP8 E4M3 becomes Q/DQ with a ``float8e4m3fn`` zero point (opset >= 19);
-  dynamic block quantization of a weight becomes a blocked DequantizeLinear
-  (``block_size``, opset >= 21).
+  block quantization (static or dynamic) of a weight becomes a blocked
+  DequantizeLinear (``block_size``, opset >= 21); dynamic block quantization of
+  an activation has data-dependent scales and is refused with the layer's name;
+* for onnxruntime, signed activations are stored as uint8 with zero point 128
+  (the same grid as int8 with zero point 0: onnxruntime's x86 INT8 kernels take
+  uint8 activations), a quantizer after ReLU/MaxPool/reshapes is also applied
+  to the conv/add output before them (exact, and it makes ``DQ -> Conv -> Q``
+  for QLinearConv), ReLU between two quantizers becomes an integer ``Max``,
+  and biases become int32 (``scale = s_input * s_weight``).
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-import math
 from collections import defaultdict
 
 import numpy as np
@@ -244,8 +250,7 @@ def layer_name(node: onnx.NodeProto) -> str:
     if "/" in name:  # legacy: "/layer1/layer1.0/conv1/_input_quantizer/FakeQuant_3"
         scopes = [s for s in name.split("/")[:-1] if s]
         if scopes:
-            return scopes[-1] if all(scopes[-1].startswith(s) for s in scopes[:-1]) and "." in scopes[-1] else ".".join(
-                _dedupe_scopes(scopes))
+            return ".".join(_dedupe_scopes(scopes))
     return name or "<unnamed>"
 
 
@@ -345,8 +350,7 @@ class LowerOptions:
 def _int_type(num_bits: int, unsigned: bool, opset: int, *, storage: bool):
     """ONNX element type of a quantized tensor: 8-bit types where the range fits, else 4/16 bit (opset 21)."""
     if num_bits <= 8 and (storage or num_bits == 8):
-        if num_bits == 4 and storage and opset >= 21 and False:
-            return TensorProto.UINT4 if unsigned else TensorProto.INT4
+        # weights of any width <= 8 are stored in 8 bits (onnxruntime's INT8 kernels take 8-bit weights)
         return TensorProto.UINT8 if unsigned else TensorProto.INT8
     if num_bits == 4 and opset >= 21:
         return TensorProto.UINT4 if unsigned else TensorProto.INT4
@@ -471,6 +475,8 @@ def _lower_int(g: Graph, n, layer, opts, infos, x_rank, xc):
     amax = amax.astype(np.float32)
     if not np.all(np.isfinite(amax)) or np.any(amax < 0):
         raise ExportError(f"quantizer '{layer}' has a negative or non-finite amax ({amax.ravel()[:4]}...)")
+    if xc is not None and _static_block(amax.shape, xc.shape) is not None:
+        return _lower_static_block(g, n, layer, opts, infos, xc, amax, num_bits, unsigned, narrow, maxbound, hint)
     if xc is not None:  # weight: quantize here with lq's rounding
         axis = _quant_axis(amax.shape, xc.ndim, layer, opts.opset)
         if num_bits > 8:
@@ -513,6 +519,56 @@ def _lower_int(g: Graph, n, layer, opts, infos, x_rank, xc):
         dq.input[0] = mx.output[0]
         nodes = [q, mx, dq]
     return nodes
+
+
+def _static_block(amax_shape, x_shape):
+    """(axis, block) when ``amax`` is a calibrated per-block amax of ``x`` (lq's blocked view: every dim equal
+    except one of size 1 where ``x`` has the block), else None."""
+    if len(amax_shape) != len(x_shape) or int(np.prod(amax_shape)) == 1:
+        return None
+    diff = [i for i, (a, b) in enumerate(zip(amax_shape, x_shape)) if a != b]
+    big = [i for i, a in enumerate(amax_shape) if a != 1]
+    if len(diff) != 1 or amax_shape[diff[0]] != 1 or len(big) < 2:
+        return None
+    return diff[0], int(x_shape[diff[0]])
+
+
+def _lower_static_block(g: Graph, n, layer, opts, infos, xc, amax, num_bits, unsigned, narrow, maxbound, hint):
+    """Static (calibrated) block quantization of a weight: lq quantizes a blocked view ``(..., n // B, B, ...)``
+    with one amax per block; that is a blocked DequantizeLinear (opset 21), folded back to the weight's own
+    shape when the view is reshaped back right after."""
+    axis, block = _static_block(amax.shape, xc.shape)
+    if opts.opset < 21:
+        raise ExportError(f"quantizer '{layer}' is block-quantized (block_size {block}); blocked DequantizeLinear "
+                          f"needs opset >= 21, got opset {opts.opset}")
+    if num_bits > 8:
+        raise ExportError(_bits_msg(layer, num_bits, opts.opset, weight=True))
+    q, _ = _reference.quant(torch.from_numpy(np.array(xc, dtype=np.float32)), torch.from_numpy(amax), num_bits,
+                            unsigned, narrow)
+    q = q.numpy()
+    scale = _scale_from_amax(amax, maxbound)
+    scale = np.where(amax <= AMAX_EPSILON, np.float32(1.0), scale).astype(np.float32)
+    et = TensorProto.UINT8 if unsigned else TensorProto.INT8
+    out = n.output[0]
+    # lq's view splits one axis a into (a, a+1) = (n // B, B); when the consumer reshapes back, do it here
+    cons = [c for c in g.nodes if out in c.input]
+    a = axis - 1
+    if (len(cons) == 1 and cons[0].op_type == "Reshape" and a >= 0 and g.const(cons[0].input[1]) is not None
+            and out not in g.graph_outputs):
+        target = [int(v) for v in g.const(cons[0].input[1])]
+        xs = list(xc.shape)
+        orig = xs[:a] + [xs[a] * xs[axis]] + xs[axis + 1:]
+        if target == orig:
+            q = q.reshape(orig)
+            scale = scale.reshape(xs[:a] + [xs[a]] + xs[axis + 1:])
+            axis, out = a, cons[0].output[0]
+            g.nodes.remove(cons[0])
+    qname = g.add_const(f"{hint}/weight_quantized", q.astype(_NP[et]))
+    sname = g.add_const(f"{hint}/scale", scale)
+    zp = _zero_point(g, et, scale.shape)
+    infos.append(QuantNodeInfo(layer, "weight", TYPE_NAMES[et], axis, scale, block_size=block))
+    return [g.make_node("DequantizeLinear", [qname, sname, zp], [out], hint=f"{hint}/DequantizeLinear", like=n,
+                        axis=axis, block_size=block)]
 
 
 def _bits_msg(layer, num_bits, opset, weight=False):
@@ -971,10 +1027,6 @@ def remove_placeholder_opset(model: onnx.ModelProto) -> None:
     for f in list(model.functions):
         if f.domain == DOMAIN:
             model.functions.remove(f)
-
-
-def math_isclose(a, b):
-    return math.isclose(a, b, rel_tol=1e-6)
 
 
 # =========================================================================== onnxruntime-friendly details

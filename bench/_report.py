@@ -1,0 +1,143 @@
+"""Shared pieces of the evidence harness (bench.accuracy, bench.speed): machine facts, tables, timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "os": f"{platform.system()} {platform.release()}",
+    }
+    try:
+        info["load_average"] = " ".join(f"{v:.1f}" for v in os.getloadavg())
+    except OSError:
+        pass
+    for mod in ("onnxruntime", "onnx", "transformers", "lightning", "sklearn"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - optional
+            pass
+    try:
+        import lq
+
+        info["lq_extension"] = "C++ kernels" if lq.extension_loaded() else "reference (pure PyTorch)"
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+def command() -> str:
+    return "python -m " + " ".join(shlex.quote(a) for a in [_module_name()] + sys.argv[1:])
+
+
+def _module_name() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return spec.name if spec is not None and spec.name else Path(sys.argv[0]).stem
+
+
+def machine_markdown(info: dict, cmd: str, seconds: float) -> str:
+    lines = [f"Command: `{cmd}` ({seconds:.0f} s)", "", "| machine | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in info.items()]
+    return "\n".join(lines)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """A GitHub markdown table; ``align`` is one char per column, ``l`` or ``r``."""
+    align = align or "l" + "r" * (len(headers) - 1)
+    sep = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+    out = ["| " + " | ".join(headers) + " |", sep]
+    out += ["| " + " | ".join("-" if c is None else str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+
+
+def _jsonable(v):
+    try:
+        import numpy as np
+
+        if isinstance(v, np.generic):
+            return v.item()
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(v, Path):
+        return str(v)
+    return str(v)
+
+
+# =========================================================================== timing
+def percentile(vals: Sequence[float], q: float) -> float:
+    s = sorted(vals)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def spread(vals: Sequence[float]) -> dict:
+    """median and inter-quartile range of repeated measurements."""
+    return {"median": statistics.median(vals), "p25": percentile(vals, 25), "p75": percentile(vals, 75),
+            "n": len(vals)}
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int, inner: int = 1, warmup: int = 2) -> dict:
+    """Seconds per call of each function, timed round-robin so machine load hits all alike.
+
+    Returns ``{name: [seconds per call for each repeat]}``.
+    """
+    for f in fns.values():
+        for _ in range(warmup):
+            f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            for _ in range(inner):
+                f()
+            times[k].append((time.perf_counter() - t) / inner)
+    return times
+
+
+def ratios(num: Sequence[float], den: Sequence[float]) -> dict:
+    """Per-repeat ratios num[i] / den[i] (paired: measured in the same round) summarized by :func:`spread`."""
+    return spread([a / b for a, b in zip(num, den, strict=True)])
+
+
+def fmt_ratio(s: dict, digits: int = 2) -> str:
+    return f"{s['median']:.{digits}f}x [{s['p25']:.{digits}f}-{s['p75']:.{digits}f}]"
+
+
+def fmt_ms(s: dict) -> str:
+    m = s["median"] * 1e3
+    d = 3 if m < 1 else (2 if m < 10 else 1)
+    return f"{m:.{d}f} [{s['p25'] * 1e3:.{d}f}-{s['p75'] * 1e3:.{d}f}]"
