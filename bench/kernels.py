@@ -27,6 +27,7 @@ the peer table divides lq's time into each peer's.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
     print(f"lq CPU kernel benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"CPU capability {_ext.cpu_capability()}, C++ extension "
           f"{'loaded' if _ext.is_loaded() else 'NOT loaded (reference kernels: numbers are not the kernels)'}, "
-          f"median of {rounds} rounds")
+          f"median of {rounds} rounds, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     gen = torch.Generator().manual_seed(0)
     x32 = torch.randn(16 * 1024 * 1024, generator=gen)
     w32 = torch.randn(1024, 4096, generator=gen)

@@ -27,6 +27,7 @@ CALIB_METHODS = ("max", "entropy", "percentile", "mse")
 CALIB_DATALOADERS = ("train", "val")
 LR_POLICIES = ("none", "cosine")
 EXPORTERS = ("dynamo", "legacy")
+EXPORT_TARGETS = ("onnxruntime", "tensorrt")
 
 
 def _choice(owner: str, name: str, value, allowed) -> None:
@@ -319,7 +320,10 @@ class ExportConfig:
         exporter: ``dynamo`` (the current torch.onnx exporter) or ``legacy`` (TorchScript based).
         fold_bn: fold BatchNorm into the preceding conv/linear in the exported copy.
         verify: run the exported model in onnxruntime on a sample batch and compare with PyTorch.
-        tolerance: largest allowed max-abs difference between onnxruntime and PyTorch outputs.
+        tolerance: largest allowed max-abs difference between onnxruntime and PyTorch outputs
+            (None: 5% of the largest output magnitude).
+        target: ``onnxruntime`` (uint8 activations, int8 weights: what its QLinear kernels fuse) or
+            ``tensorrt`` (int8 zero-point-0 Q/DQ everywhere, as TensorRT expects).
     """
 
     enabled: bool = True
@@ -328,14 +332,16 @@ class ExportConfig:
     exporter: str = "dynamo"
     fold_bn: bool = True
     verify: bool = True
-    tolerance: float = 0.1
+    tolerance: Optional[float] = None
+    target: str = "onnxruntime"
 
     def __post_init__(self):
         owner = type(self).__name__
         _choice(owner, "exporter", self.exporter, EXPORTERS)
+        _choice(owner, "target", self.target, EXPORT_TARGETS)
         if isinstance(self.opset, bool) or not isinstance(self.opset, int) or not 13 <= self.opset <= 23:
             raise ValueError(f"{owner}.opset={self.opset!r} is not allowed: expected an int in [13, 23]")
-        _positive(owner, "tolerance", self.tolerance)
+        _positive(owner, "tolerance", self.tolerance, allow_none=True)
         if not isinstance(self.path, str) or not self.path.endswith(".onnx"):
             raise ValueError(f"{owner}.path={self.path!r} is not allowed: expected a file name ending in .onnx")
 

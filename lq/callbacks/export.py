@@ -95,7 +95,7 @@ class QuantExport(L.Callback):
             sample = sample.to(pl_module.device) if isinstance(sample, torch.Tensor) else sample
             result = export_onnx(
                 pl_module, sample, path, opset=e.opset, dynamo=e.exporter == "dynamo", fold_bn=e.fold_bn,
-                verify=e.verify, tolerance=e.tolerance,
+                verify=e.verify, tolerance=e.tolerance, target=e.target,
             )
         except Exception as err:
             where = f" The trained weights are safe in {ckpt}." if ckpt else ""
@@ -109,7 +109,8 @@ class QuantExport(L.Callback):
         diff = getattr(result, "max_abs_diff", None)
         msg = f"lq: exported {self.path}"
         if diff is not None:
-            msg += f" (onnxruntime vs PyTorch max |diff| = {diff:.3g}, tolerance {self.export.tolerance:g})"
+            tol = getattr(result, "tolerance", self.export.tolerance)
+            msg += f" (onnxruntime vs PyTorch max |diff| = {diff:.3g}" + (f", tolerance {tol:.3g})" if tol else ")")
         rank_zero_info(msg)
 
     def state_dict(self) -> dict:

