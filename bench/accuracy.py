@@ -96,10 +96,10 @@ def load_method(quantizers, method: str, **kwargs) -> None:
 # =========================================================================== CNNs
 CNN_DATASETS = {
     # name: (datamodule class, full settings, fast settings)
-    "digits": ("DigitsDataModule", dict(epochs=15, qat_epochs=3, subset=None),
-               dict(epochs=4, qat_epochs=1, subset=None)),
-    "mnist5k": ("MNIST5kDataModule", dict(epochs=12, qat_epochs=3, subset=None),
-                dict(epochs=2, qat_epochs=1, subset=1200)),
+    "digits": ("DigitsDataModule", dict(epochs=15, qat_epochs=3, subset=None, batch=64),
+               dict(epochs=4, qat_epochs=1, subset=None, batch=64)),
+    "mnist5k": ("MNIST5kDataModule", dict(epochs=12, qat_epochs=3, subset=None, batch=64),
+                dict(epochs=3, qat_epochs=1, subset=1500, batch=32)),
 }
 
 
@@ -141,7 +141,7 @@ def run_cnn(name: str, fast: bool, out: Path, log) -> dict:
     dm_name, full, quick = CNN_DATASETS[name]
     s = quick if fast else full
     L.seed_everything(0, workers=True, verbose=False)
-    dm = getattr(zoo, dm_name)(batch_size=64, subset=s["subset"])
+    dm = getattr(zoo, dm_name)(batch_size=s["batch"], subset=s["subset"])
     dm.setup()
     x_test, y_test = dm.arrays("test")
     x_val, y_val = dm.arrays("val")
@@ -263,12 +263,12 @@ def _cnn_histograms(name, model, qs, out: Path) -> list[str]:
 # =========================================================================== MiniLM
 def run_minilm(fast: bool, out: Path, log) -> dict:
     from bench import minilm as M
-    from lq.config import Int8PerChannelConfig, QuantConfig, QuantizerConfig
+    from lq.config import CalibConfig, Int8PerChannelConfig, QuantConfig, QuantizerConfig
 
     t_start = time.perf_counter()
     model, tok = M.load_model()
     data = M.load_text(fast=fast)
-    max_len = 64 if fast else M.MAX_LENGTH
+    max_len = 48 if fast else M.MAX_LENGTH
     ev = M.batches(tok, data.eval_texts, max_length=max_len)
     cal = M.batches(tok, data.calib, max_length=max_len)[0]
     folds = M.cv_folds(data.labels)
@@ -313,39 +313,63 @@ def run_minilm(fast: bool, out: Path, log) -> dict:
     for label, method, kw in METHODS:
         load_method(qs, method, **kw)
         score(f"W8A8 PTQ {label}", M.embed(q, ev), method=label)
-    ptq_rows = {k: v for k, v in res["rows"].items() if k.startswith("W8A8 PTQ")}
-    best_row = max(ptq_rows, key=lambda k: ptq_rows[k]["mean_cos"])
-    best = ptq_rows[best_row]["method"]
-    res["best_method"] = best
-    lab = {lb: (m, kw) for lb, m, kw in METHODS}
-    load_method(qs, lab[best][0], **lab[best][1])
-    res["histograms"] = _minilm_histograms(qs, out)
+    res["histograms"] = _minilm_histograms(qs, out)  # (uses the histograms, not amax)
 
-    # ---- sensitivity: which layers cost the most, on calibration-domain text (no labels needed)
-    res["sensitivity"] = _minilm_sensitivity(q, model, tok, data, base, fast, out, log, ev, score, best)
+    # ---- text from the calibration domain (news, no labels) to choose with: methods per layer type, then layers
+    from lq.sensitivity import calibration_method_search, fidelity_metric
+
+    sens_docs = data.calib[:8] if fast else data.calib[:48]
+    sens_batches = M.batches(tok, sens_docs, max_length=32 if fast else 128)[0]
+    metric = fidelity_metric(q, sens_batches, forward=lambda m, b: m(**b),
+                             output=lambda r, b: M.mean_pool(r.last_hidden_state, b["attention_mask"]),
+                             kind="cosine")
+    res["selection_docs"] = len(sens_docs)
+    res["selection_max_length"] = 32 if fast else 128
+    t0 = time.perf_counter()
+    search = calibration_method_search(q, metric, groups=MINILM_GROUPS, methods=("max", "percentile", "mse", "entropy"),
+                                       percentile=99.999)
+    res["method_search"] = {"methods": search.methods, "metric": search.metric, "trace": search.trace,
+                            "percentile": search.percentile}
+    label = "W8A8 PTQ per-layer-type method (searched)"
+    score(label, M.embed(q, ev), method=", ".join(f"{g}: {m}" for g, m in search.methods.items()))
+    log(f"  MiniLM method search in {time.perf_counter() - t0:.0f} s: {search.methods} "
+        f"(calibration-text cosine {search.metric:.4f})")
+    calib_cfg = search.apply(CalibConfig())
+    res["method_search"]["calib_config"] = {"percentile": calib_cfg.percentile,
+                                            "method_overrides": calib_cfg.method_overrides}
+
+    # ---- sensitivity on top of it: which layers cost the most
+    res["sensitivity"] = _minilm_sensitivity(q, model, data, base, fast, out, log, ev, score, metric,
+                                             len(sens_docs), search.methods)
     res["seconds"] = time.perf_counter() - t_start
     return res
 
 
-def _minilm_sensitivity(q, fp32, tok, data, base, fast, out: Path, log, ev, score, best) -> dict:
+#: MiniLM's Linear layers by role (their inputs differ: LayerNorm outputs with outlier channels, attention
+#: context, GELU outputs)
+MINILM_GROUPS = {
+    "FFN down (GELU output)": [f"encoder.layer.{i}.output.dense" for i in range(6)],
+    "Q/K/V (LayerNorm output)": ["encoder.layer.*.attention.self.*"],
+    "FFN up (LayerNorm output)": ["encoder.layer.*.intermediate.dense"],
+    "attention output (context)": ["encoder.layer.*.attention.output.dense"],
+}
+
+
+def _minilm_sensitivity(q, fp32, data, base, fast, out: Path, log, ev, score, metric, n_docs, methods) -> dict:
     from bench import minilm as M
     from lq.callbacks import QuantSwap
-    from lq.sensitivity import fidelity_metric, greedy_exclude, layer_sensitivity
+    from lq.sensitivity import greedy_exclude, layer_sensitivity
 
-    sens_docs = data.calib[:8] if fast else data.calib[:48]
-    sens_batches = M.batches(tok, sens_docs, max_length=64 if fast else 128)[0]
-    metric = fidelity_metric(q, sens_batches, forward=lambda m, b: m(**b),
-                             output=lambda r, b: M.mean_pool(r.last_hidden_state, b["attention_mask"]),
-                             kind="cosine")
     t0 = time.perf_counter()
     modes = ("leave_out",) if fast else ("only", "leave_out")
-    sens = layer_sensitivity(q, metric, modes=modes, metric_name=f"mean cosine to FP32 ({len(sens_docs)} news docs)")
+    sens = layer_sensitivity(q, metric, modes=modes, metric_name=f"mean cosine to FP32 ({n_docs} news docs)")
     log(f"  MiniLM sensitivity ({' + '.join(modes)}, {len(sens.layers)} layers) in {time.perf_counter() - t0:.0f} s; "
         f"most sensitive: {', '.join(sens.exclude(top_k=5))}")
     target = 0.995
     excluded, values = greedy_exclude(q, metric, sens, target=target, max_layers=2 if fast else 8)
+    how = "; ".join(f"{g}: {m}" for g, m in methods.items())
     (out / "sensitivity_minilm.md").write_text(
-        f"# Per-layer sensitivity of all-MiniLM-L6-v2, W8A8 ({best} calibration)\n\n"
+        f"# Per-layer sensitivity of all-MiniLM-L6-v2, W8A8\n\nCalibration methods per layer type: {how}.\n\n"
         f"{sens.markdown()}\n\nGreedy exclusion (leave the next most sensitive layer in floating point "
         f"until the metric reaches {target}): {', '.join(f'`{e}`' for e in excluded) or 'none'}; metric "
         f"{' -> '.join(f'{v:.4f}' for v in values)}.\n")
@@ -354,7 +378,7 @@ def _minilm_sensitivity(q, fp32, tok, data, base, fast, out: Path, log, ev, scor
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = sens.figure(top=20, title=f"all-MiniLM-L6-v2 W8A8 ({best}): per-layer sensitivity")
+    fig = sens.figure(top=20, title="all-MiniLM-L6-v2 W8A8: per-layer sensitivity (mean cosine to FP32)")
     fig.savefig(out / "sensitivity_minilm.png", dpi=90)
     plt.close(fig)
 
@@ -362,9 +386,9 @@ def _minilm_sensitivity(q, fp32, tok, data, base, fast, out: Path, log, ev, scor
     cfg = sens.apply(base, layers=excluded)
     mixed = copy.deepcopy(fp32)
     summary = QuantSwap(cfg).swap(mixed)
-    missing, unexpected = mixed.load_state_dict(q.state_dict(), strict=False)
+    missing, _ = mixed.load_state_dict(q.state_dict(), strict=False)
     assert not missing, missing  # every amax of the quantized layers comes from the calibrated model
-    score(f"W8A8 PTQ {best} + {len(excluded)} layer(s) float (sensitivity)", M.embed(mixed, ev), method=best,
+    score(f"W8A8 PTQ searched + {len(excluded)} layer(s) float (sensitivity)", M.embed(mixed, ev),
           excluded=excluded)
     return {"result": sens.to_dict(), "greedy_excluded": excluded, "greedy_values": values, "target": target,
             "config_exclude": cfg.exclude, "n_quantized_after": len(summary.quantized)}
@@ -455,6 +479,7 @@ def minilm_markdown(r: dict) -> str:
                      f"{v['pearson']:.3f}"])
     t = _report.table(["model", "mean cos", "min cos", "sentiment acc %", "vs FP32", "Pearson (human)"], rows)
     sens = r.get("sensitivity", {})
+    ms = r.get("method_search")
     lines = [
         t, "",
         f"Calibration: {r['n_calib_docs']} news documents (gensim `lee_background.cor`); evaluation: "
@@ -469,10 +494,18 @@ def minilm_markdown(r: dict) -> str:
         "",
     ]
     lines += [f"- {what}: {why}." for what, why in LEFT_FLOAT]
+    if ms:
+        lines += ["", "Per-layer-type method (`lq.sensitivity.calibration_method_search`): one calibration pass, then "
+                  "the method of each group of layers chosen by the mean cosine to FP32 on "
+                  f"{r['selection_docs']} calibration documents (news, no labels; at most {r['selection_max_length']} "
+                  "tokens), never on the evaluation text: "
+                  + "; ".join(f"{g} -> `{m}`" for g, m in ms["methods"].items())
+                  + f" (percentile = {ms['percentile']}). As a config: `CalibConfig(percentile={ms['percentile']}, "
+                  f"method_overrides={{...}})` with {len(ms['calib_config']['method_overrides'])} globs."]
     if sens:
         ex = sens["greedy_excluded"]
         lines += ["", f"Sensitivity (`lq.sensitivity`, see [sensitivity_minilm.md](sensitivity_minilm.md)): leaving "
-                  f"{', '.join(f'`{e}`' for e in ex) or 'no layer'} in floating point took the calibration-text "
+                  f"{', '.join(f'`{e}`' for e in ex) or 'no layer'} in floating point (on top of the searched methods) took the calibration-text "
                   f"cosine from {sens['greedy_values'][0]:.4f} to {sens['greedy_values'][-1]:.4f} (target "
                   f"{sens['target']}); the last row is that config (`QuantConfig.exclude = {sens['config_exclude']}`)"
                   " rebuilt through QuantSwap and evaluated on the evaluation text."]

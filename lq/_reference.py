@@ -104,7 +104,7 @@ def affine_params(min_range, max_range, num_bits: int):
 
 def fake_affine_quant(x, min_range, max_range, num_bits: int = 8):
     """Affine fake quantization: ``(clamp(round(x / step) - zp) + zp) * step``."""
-    step, zp, min_bound, max_bound = affine_params(min_range, max_range, num_bits)
+    step, zp, min_bound, max_bound = affine_params(_fit(min_range, x), _fit(max_range, x), num_bits)
     q = torch.clamp(torch.round(x.float() / step) - zp, min_bound, max_bound)
     return ((q + zp) * step).to(x.dtype)
 
@@ -112,7 +112,7 @@ def fake_affine_quant(x, min_range, max_range, num_bits: int = 8):
 def fake_affine_quant_backward(grad, x, min_range, max_range):
     """STE with clipping to ``[min_range, max_range]`` (inclusive)."""
     xf = x.float()
-    inside = (xf >= min_range.float()) & (xf <= max_range.float())
+    inside = (xf >= _fit(min_range, x).float()) & (xf <= _fit(max_range, x).float())
     return torch.where(inside, grad, torch.zeros_like(grad))
 
 

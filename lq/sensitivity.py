@@ -55,6 +55,8 @@ __all__ = [
     "greedy_exclude",
     "fidelity_metric",
     "quantization_disabled",
+    "calibration_method_search",
+    "MethodSearchResult",
 ]
 
 MODES = ("only", "leave_out")
@@ -483,6 +485,120 @@ def greedy_exclude(
             excluded.append(name)
             values.append(float(metric(model)))
     return excluded, values
+
+
+# =========================================================================== calibration method per layer group
+@dataclass
+class MethodSearchResult:
+    """The outcome of :func:`calibration_method_search`.
+
+    Attributes:
+        methods: ``{group: chosen method}``.
+        method_overrides: ``{layer glob: method}`` for :class:`lq.config.CalibConfig` ``method_overrides``
+            (and :func:`lq.calibrate_model`); every glob of a group gets the group's method.
+        percentile: the percentile the ``"percentile"`` candidate used (``CalibConfig.percentile``).
+        metric: the metric with the chosen methods.
+        trace: ``(group, method, metric)`` for every evaluation, in order.
+    """
+
+    methods: dict[str, str]
+    method_overrides: dict[str, str]
+    percentile: float
+    metric: float
+    trace: list[tuple[str, str, float]] = field(default_factory=list)
+
+    def apply(self, calib=None):
+        """A copy of ``calib`` (a :class:`lq.config.CalibConfig`, default the plain one) with these overrides."""
+        from lq.config import CalibConfig
+
+        calib = CalibConfig() if calib is None else calib
+        return replace(calib, method_overrides={**calib.method_overrides, **self.method_overrides},
+                       percentile=self.percentile)
+
+
+def calibration_method_search(
+    model: nn.Module,
+    metric: Metric,
+    *,
+    groups: dict[str, str | Sequence[str]] | None = None,
+    methods: Sequence[str] = ("max", "entropy", "percentile", "mse"),
+    percentile: float = 99.99,
+    start: str | None = None,
+    higher_is_better: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> MethodSearchResult:
+    """Pick the calibration method of each group of layers by the metric (coordinate descent, one pass).
+
+    Activations differ by layer type (a transformer's LayerNorm outputs keep a few huge channels that
+    must not be clipped; GELU outputs have a long thin tail that should be), so one method for the whole
+    model is rarely the best. Every group starts at ``start`` (default the first method); then, group after
+    group, each method is tried and the best kept: ``1 + len(groups) * (len(methods) - 1)`` evaluations.
+
+    The model's input quantizers must hold histogram statistics (collect them with
+    ``lq.calibration.collect`` and a histogram method, or ``calibrate_model(method="entropy")``); weight
+    quantizers are left as they are. On return the model holds the chosen amax.
+
+    Args:
+        model: a quantized model whose input quantizers hold histogram statistics.
+        metric: ``metric(model) -> float``.
+        groups: ``{group name: layer glob or list of globs}`` (default: one group per quantized layer).
+        methods: candidates among ``max``, ``entropy``, ``percentile``, ``mse``.
+        percentile: for the ``percentile`` candidate.
+        higher_is_better: direction of ``metric``.
+
+    Returns:
+        :class:`MethodSearchResult`; ``result.apply(calib)`` gives the :class:`lq.config.CalibConfig` to use.
+    """
+    from lq import calib as calib_mod
+
+    allowed = ("max", "entropy", "percentile", "mse")
+    bad = [m for m in methods if m not in allowed]
+    if bad or not methods:
+        raise ValueError(f"methods={list(methods)!r} is not allowed: choose from {list(allowed)}")
+    start = start or methods[0]
+    layers = quantized_layers(model)
+    if groups is None:
+        groups = {n: n for n in layers}
+    globs = {g: [v] if isinstance(v, str) else list(v) for g, v in groups.items()}
+    members: dict[str, list[TensorQuantizer]] = {}
+    for g, pats in globs.items():
+        qs = []
+        for layer, lqs in layers.items():
+            if any(fnmatch.fnmatchcase(layer, p) for p in pats):
+                for q in lqs:
+                    if isinstance(q.calibrator, calib_mod.HistogramCalibrator) and q.calibrator.has_data:
+                        qs.append(q)
+        if not qs:
+            raise ValueError(f"group {g!r} ({pats}) matches no quantized layer whose input quantizer holds "
+                             "histogram statistics (collect them with a histogram method first)")
+        members[g] = qs
+    say = progress or (lambda msg: None)
+    better = (lambda a, b: a > b) if higher_is_better else (lambda a, b: a < b)
+
+    def load(g, method):
+        kw = {"percentile": percentile} if method == "percentile" else {}
+        for q in members[g]:
+            q.load_calib_amax(method, **kw)
+
+    chosen = {g: start for g in members}
+    for g in members:
+        load(g, start)
+    say(f"all groups: {start}")
+    best = float(metric(model))
+    trace = [("*", start, best)]
+    for g in members:
+        for m in methods:
+            if m == chosen[g]:
+                continue
+            load(g, m)
+            say(f"{g}: {m}")
+            v = float(metric(model))
+            trace.append((g, m, v))
+            if better(v, best):
+                best, chosen[g] = v, m
+        load(g, chosen[g])
+    overrides = {p: chosen[g] for g, pats in globs.items() for p in pats}
+    return MethodSearchResult(chosen, overrides, percentile, best, trace)
 
 
 # =========================================================================== a label-free metric
