@@ -41,18 +41,10 @@ _REDUCE_FX = ("max", "min", "sum", "cat", "custom")
 
 
 def _norm_calib_axis(axis):
-    if axis is None:
-        return None
-    if isinstance(axis, (list, tuple)):
-        for a in axis:
-            if isinstance(a, bool) or not isinstance(a, int):
-                raise TypeError(f"axis must be None, an int or a tuple of ints, got {axis!r}")
-        if len(set(axis)) != len(axis):
-            raise ValueError(f"axis {axis!r} repeats an axis")
-        return tuple(axis)
-    if isinstance(axis, bool) or not isinstance(axis, int):
-        raise TypeError(f"axis must be None, an int or a tuple of ints, got {axis!r}")
-    return axis
+    """The descriptor's axis rule (None, an int or a tuple of distinct ints): one definition, in tensor_quant."""
+    from lq.tensor_quant import _norm_axis
+
+    return _norm_axis(axis)
 
 
 def _dist_ready() -> bool:

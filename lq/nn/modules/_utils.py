@@ -24,6 +24,7 @@ from lq.tensor_quant import QuantDescriptor
 __all__ = [
     "QuantMixin",
     "QuantInputMixin",
+    "input_quant_class",
     "DescriptorTypeError",
     "as_quant_descriptor",
     "pop_quant_desc_in_kwargs",
@@ -323,3 +324,27 @@ def quant_class(cls):
         cls.__init__ = __init__
     cls.__init__.__signature__ = quant_signature(float_cls, cls._has_weight)
     return cls
+
+
+def _input_quantized_forward(self, input):
+    return self._float_module.forward(self, self._input_quantizer(input))
+
+
+def input_quant_class(float_cls: type, module: str) -> type:
+    """``Quant<float_cls>``: the float module's own ``forward`` applied to its quantized input.
+
+    For modules whose only quantized tensor is the input (pooling, instance norm): a
+    subclass of ``float_cls`` and :class:`QuantInputMixin`, registered with :func:`quant_class`.
+    """
+    name = "Quant" + float_cls.__name__
+    cls = type(
+        name,
+        (float_cls, QuantInputMixin),
+        {
+            "__module__": module,
+            "__qualname__": name,
+            "__doc__": f"``nn.{float_cls.__name__}`` applied to its quantized input (per tensor by default).",
+            "forward": _input_quantized_forward,
+        },
+    )
+    return quant_class(cls)

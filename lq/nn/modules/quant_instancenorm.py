@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lq.nn.modules._utils import QuantInputMixin, quant_class
+from lq.nn.modules._utils import input_quant_class
 
 __all__ = [
     "QuantInstanceNorm1d", "QuantInstanceNorm2d", "QuantInstanceNorm3d",
@@ -12,23 +12,8 @@ __all__ = [
 ]  # fmt: skip
 
 
-def _forward(self, input):
-    return self._float_module.forward(self, self._input_quantizer(input))
-
-
 def _norm(float_cls):
-    name = "Quant" + float_cls.__name__
-    cls = type(
-        name,
-        (float_cls, QuantInputMixin),
-        {
-            "__module__": __name__,
-            "__qualname__": name,
-            "__doc__": f"``nn.{float_cls.__name__}`` applied to its quantized input (per tensor by default).",
-            "forward": _forward,
-        },
-    )
-    return quant_class(cls)
+    return input_quant_class(float_cls, __name__)
 
 
 QuantInstanceNorm1d = _norm(nn.InstanceNorm1d)

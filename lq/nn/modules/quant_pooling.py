@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lq.nn.modules._utils import QuantInputMixin, quant_class
+from lq.nn.modules._utils import input_quant_class
 
 __all__ = [
     "QuantMaxPool1d", "QuantMaxPool2d", "QuantMaxPool3d",
@@ -20,24 +20,8 @@ __all__ = [
 ]  # fmt: skip
 
 
-def _forward(self, input):
-    # the float class's forward on the quantized input (F.max_pool*/avg_pool*/adaptive_avg_pool*)
-    return self._float_module.forward(self, self._input_quantizer(input))
-
-
 def _pool(float_cls):
-    name = "Quant" + float_cls.__name__
-    cls = type(
-        name,
-        (float_cls, QuantInputMixin),
-        {
-            "__module__": __name__,
-            "__qualname__": name,
-            "__doc__": f"``nn.{float_cls.__name__}`` applied to its quantized input (per tensor by default).",
-            "forward": _forward,
-        },
-    )
-    return quant_class(cls)
+    return input_quant_class(float_cls, __name__)
 
 
 QuantMaxPool1d = _pool(nn.MaxPool1d)
