@@ -9,7 +9,8 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ModelPruning
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.loggers import Logger
 
 import lq
 from lq.calibration import CalibrationError, calibrate_model
@@ -186,6 +187,63 @@ def test_composes_with_pruning_and_other_callbacks(tmp_path, dm):
     assert isinstance(model.stem[0], lq.nn.QuantConv2d)
 
 
+def test_composes_with_stochastic_weight_averaging(tmp_path, dm):
+    model = _model()
+    swa = StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)
+    _trainer(tmp_path, [_no_export(), swa], max_epochs=3).fit(model, datamodule=dm)
+    assert swa._average_model is not None and swa.n_averaged.item() >= 1
+    # the averaged weights were written back into the quantized model, which still quantizes
+    assert isinstance(model.head, lq.nn.QuantLinear) and model.head._input_quantizer.amax is not None
+    x = dm.arrays("test")[0][:8]
+    model.eval()
+    assert torch.isfinite(model(x)).all()
+
+
+class _ImageLogger(Logger):
+    """A logger that takes tables and images (like W&B's), recording what it gets."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables, self.images, self.metrics = [], [], []
+
+    name = property(lambda self: "images")
+    version = property(lambda self: 0)
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append(dict(metrics))
+
+    def log_table(self, key, columns, data):
+        self.tables.append((key, columns, data))
+
+    def log_image(self, key, images, **kwargs):
+        self.images.append((key, images))
+
+
+def test_summary_table_and_histogram_figures_reach_the_logger(tmp_path, dm):
+    model = _model()
+    logger = _ImageLogger()
+    cb = _no_export(calib=CalibConfig(method="entropy", num_batches=2))
+    L.Trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=1, logger=logger, enable_progress_bar=False,
+              enable_checkpointing=False, default_root_dir=str(tmp_path), callbacks=[cb]).fit(model, datamodule=dm)
+    key, columns, data = logger.tables[0]
+    assert columns == ["quantizer", "bits", "axis", "amax", "method", "state"]
+    rows = {r[0]: r for r in data}
+    assert rows["stem.0._input_quantizer"][4] == "entropy" and rows["stem.0._weight_quantizer"][4] == "max"
+    assert rows["stem.0._weight_quantizer"][2] == "0"
+    amax_metrics = {k: v for m in logger.metrics for k, v in m.items() if k.startswith("lq/amax/")}
+    assert amax_metrics["lq/amax/stem.0._input_quantizer"] == pytest.approx(
+        float(model.stem[0]._input_quantizer.amax), rel=1e-3)
+    assert logger.images and logger.images[0][0].startswith("lq/calib_hist/")
+    fig = logger.images[0][1][0]
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert [lbl.split(":")[0] for lbl in labels] == ["max", "entropy", "mse", "percentile"]
+    drift = [m for m in logger.metrics if any(k.startswith("lq/amax_drift/") for k in m)]
+    assert drift and all(v == 0.0 for m in drift for k, v in m.items() if k.startswith("lq/amax_drift/"))
+
+
 def test_weight_only_recipe_disables_input_quantizers(tmp_path, dm):
     model = _model()
     with pytest.raises(ValueError, match="does not divide") as info:  # head has 16 input features
@@ -299,6 +357,40 @@ def test_ddp_two_processes_agree_on_global_amax(tmp_path):
     assert single["stem.0._input_quantizer"].item() > 1.0  # rank 1's doubled range reached everybody
     for k in single:
         torch.testing.assert_close(a0[k], single[k], rtol=1e-5, atol=1e-6)
+
+
+class _SaveAmax(L.Callback):
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+
+    def on_train_start(self, trainer, pl_module):
+        torch.save(_amax(pl_module), os.path.join(self.out_dir, f"amax{trainer.global_rank}.pt"))
+
+
+class _RankShiftedDigits(DigitsDataModule):
+    """Rank r sees its own shard (the sampler) scaled by 1 + r, so the ranks' ranges differ."""
+
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        x, y = self._sets["train"].tensors
+        ds = torch.utils.data.TensorDataset(x * (1.0 + rank), y)
+        return torch.utils.data.DataLoader(ds, batch_size=loader.batch_size, shuffle=False)
+
+
+def test_lightning_ddp_two_processes_same_global_amax(tmp_path):
+    model = _model()
+    cb = _no_export(calib=CalibConfig(method="max", num_batches=1000))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, limit_train_batches=1,
+                        limit_val_batches=0, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path),
+                        callbacks=[cb, _SaveAmax(str(tmp_path))])
+    trainer.fit(model, datamodule=_RankShiftedDigits(batch_size=64))
+    a0, a1 = torch.load(tmp_path / "amax0.pt"), torch.load(tmp_path / "amax1.pt")
+    assert a0.keys() == a1.keys() and all(torch.equal(a0[k], a1[k]) for k in a0), "ranks disagree on amax"
+    # each rank's shard is the sampler's half of the data, scaled by 1 + rank: the global max of the
+    # first layer's input is 2 x the data max (rank 1), which rank 0 never saw itself
+    assert a0["stem.0._input_quantizer"].item() == 2.0
 
 
 def test_lightning_cli_with_callback(tmp_path):

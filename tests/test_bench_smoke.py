@@ -1,0 +1,174 @@
+"""CI smoke run of the evidence harness: ``python -m bench.accuracy --fast`` and ``python -m bench.speed --fast``.
+
+Both commands run as a user would run them (subprocesses, side by side), write their markdown and JSON
+into a temporary folder, and the outputs must have the expected rows with sane values. The numbers of
+a fast run are not the published ones (small subsets, few repeats); docs/results/ holds those.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CNN_ROWS = [
+    "FP32",
+    "INT8 PTQ max",
+    "INT8 PTQ entropy",
+    "INT8 PTQ percentile 99.9",
+    "INT8 PTQ percentile 99.99",
+    "INT8 PTQ percentile 99.999",
+    "INT8 PTQ mse",
+    "INT8 QAT (QuantCallback)",
+    "INT8 QAT -> ONNX (onnxruntime)",
+    "W4A8 per-channel PTQ",
+    "W4A8 per-channel QAT",
+    "W4A8 block 16 PTQ",
+    "W4A8 block 16 QAT",
+]
+MINILM_ROWS = [
+    "FP32",
+    "torch.ao dynamic INT8 (reference)",
+    "lq weight-only INT8 (per-channel)",
+    "W8A8 PTQ max",
+    "W8A8 PTQ entropy",
+    "W8A8 PTQ percentile 99.9",
+    "W8A8 PTQ percentile 99.99",
+    "W8A8 PTQ percentile 99.999",
+    "W8A8 PTQ mse",
+    "W8A8 PTQ per-layer-type method (searched)",
+]
+
+
+def _has(mod: str) -> bool:
+    return importlib.util.find_spec(mod) is not None
+
+
+def _has_mlxtend() -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("mlxtend")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    if not _has("matplotlib"):
+        pytest.skip("matplotlib is needed for the figures (pip install -e '.[dev]')")
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    datasets = ["digits", "mnist5k"] if _has_mlxtend() else ["digits"]
+    cmds = {
+        "accuracy": [sys.executable, "-m", "bench.accuracy", "--fast", "--out", str(out / "acc"),
+                     "--datasets", *datasets],
+        "speed": [sys.executable, "-m", "bench.speed", "--fast", "--out", str(out / "speed")],
+    }
+    procs = {k: subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for k, c in cmds.items()}
+    logs = {}
+    for k, p in procs.items():
+        try:
+            logs[k], _ = p.communicate(timeout=420)
+        except subprocess.TimeoutExpired:
+            for q in procs.values():
+                q.kill()
+            pytest.fail(f"bench.{k} --fast did not finish in 420 s")
+        assert p.returncode == 0, f"bench.{k} --fast failed:\n{logs[k][-4000:]}"
+    return out, logs, datasets
+
+
+def _load(path: Path) -> dict:
+    assert path.exists(), f"{path} was not written"
+    return json.loads(path.read_text())
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def test_accuracy_fast(runs):
+    out, logs, datasets = runs
+    res = _load(out / "acc" / "accuracy.json")
+    assert res["fast"] is True
+    assert set(res["cnn"]) == set(datasets)
+    for name, r in res["cnn"].items():
+        assert list(r["rows"]) == CNN_ROWS, name
+        fp = r["rows"]["FP32"]["acc"]
+        assert fp > (0.9 if name == "digits" else 0.3), (name, fp)  # fast mode trains briefly
+        for row, v in r["rows"].items():
+            if row == "INT8 QAT -> ONNX (onnxruntime)" and v.get("acc") is None:
+                pytest.fail(f"{name}: ONNX row failed: {v.get('error')}")
+            assert 0.0 <= v["acc"] <= 1.0, (name, row, v)
+        # the best INT8 PTQ is close to FP32 even in the fast run
+        best = max(v["acc"] for k, v in r["rows"].items() if k.startswith("INT8 PTQ"))
+        assert best >= fp - 0.05, (name, best, fp)
+        onnx = r["rows"]["INT8 QAT -> ONNX (onnxruntime)"]
+        assert onnx["agreement"] >= 0.98, onnx
+    md = (out / "acc" / "accuracy.md").read_text()
+    for row in CNN_ROWS:
+        assert f"| {row} |" in md
+    assert "## Targets" in md and "## Run" in md and "Command: `python -m bench.accuracy --fast" in md
+    assert (out / "acc" / "accuracy_cnn.png").stat().st_size > 5000
+    assert list((out / "acc").glob("hist_digits_*.png"))
+
+
+def test_accuracy_fast_minilm(runs):
+    out, logs, _ = runs
+    res = _load(out / "acc" / "accuracy.json")
+    if "minilm" not in res:
+        assert "all-MiniLM-L6-v2 skipped" in logs["accuracy"]
+        pytest.skip("MiniLM packages not installed")
+    m = res["minilm"]
+    rows = list(m["rows"])
+    assert rows[: len(MINILM_ROWS)] == MINILM_ROWS
+    assert rows[-1].startswith("W8A8 PTQ searched + ") and rows[-1].endswith("(sensitivity)")
+    for k, v in m["rows"].items():
+        assert all(_finite(v[x]) for x in ("mean_cos", "min_cos", "sentiment_acc", "pearson")), (k, v)
+        assert -1.0 <= v["min_cos"] <= v["mean_cos"] <= 1.0 + 1e-6, (k, v)
+    r = m["rows"]
+    assert r["FP32"]["mean_cos"] == pytest.approx(1.0, abs=1e-5)
+    assert r["lq weight-only INT8 (per-channel)"]["mean_cos"] > 0.995
+    assert r["W8A8 PTQ max"]["mean_cos"] > 0.9  # far below would mean a bug (DATA.md)
+    best = max(v["mean_cos"] for k, v in r.items() if k.startswith("W8A8 PTQ"))
+    assert best > r["torch.ao dynamic INT8 (reference)"]["mean_cos"]
+    assert len(m["quantized_layers"]) == 36  # 6 layers x (q, k, v, attn out, FFN up, FFN down)
+    sens = m["sensitivity"]["result"]
+    assert len(sens["layers"]) == 36
+    assert (out / "acc" / "sensitivity_minilm.png").exists()
+    assert "| rank | layer |" in (out / "acc" / "sensitivity_minilm.md").read_text()
+
+
+def test_speed_fast(runs):
+    out, logs, _ = runs
+    res = _load(out / "speed" / "speed.json")
+    steps = {(r["model"].split(" (")[0], r["mode"]) for r in res["qat_step"]}
+    assert ("bench CNN", "eager") in steps
+    for r in res["qat_step"]:
+        med = r["ratio"]["median"]
+        assert 0.5 < med < 5.0, r  # a quantized step costs about as much as an FP32 one
+        assert r["ratio"]["p25"] <= med <= r["ratio"]["p75"]
+        assert r["fp32_s"]["median"] > 0 and r["quant_s"]["median"] > 0
+    batches = {(r["model"].split(" (")[0], r["batch"]) for r in res["onnx"]}
+    assert {("bench CNN", 1), ("bench CNN", 32)} <= batches
+    for r in res["onnx"]:
+        assert r["lq_speedup"]["median"] > 1.0, r  # INT8 kernels beat FP32 in onnxruntime
+        assert r["ort_speedup"]["median"] > 0.5, r
+        sizes = r["size_kib"]
+        assert sizes["lq INT8"] < 0.5 * sizes["FP32"], sizes  # int8 weights
+    assert "lq fwd vs clone" in res["kernels"]["output"]
+    assert "compute_amax" in res["calib"]["output"]
+    md = (out / "speed" / "speed.md").read_text()
+    for section in ("## Targets", "## QAT training step", "## Exported models in onnxruntime", "## Fake-quant kernels",
+                    "## Calibration", "## Run"):
+        assert section in md
+    assert "Command: `python -m bench.speed --fast" in md
