@@ -9,8 +9,9 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 
 def machine() -> dict:

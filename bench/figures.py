@@ -65,7 +65,7 @@ def minilm_bars(m: dict):
     a1.axvline(0.99, color="red", linestyle="--", linewidth=0.8, label="target 0.99")
     a1.set_xlim(max(0.0, min(mn) - 0.02), 1.0)
     a1.set_xlabel("cosine to FP32 embeddings (bar: mean)")
-    a1.legend(fontsize=7, loc="lower left")
+    a1.legend(fontsize=7, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=2, frameon=False)
     for y, v in zip(ys, mean, strict=True):
         a1.text(a1.get_xlim()[0] + 0.002, y, f"{v:.4f}", va="center", fontsize=7, color="white")
     fp = m["rows"]["FP32"]["sentiment_acc"]
@@ -74,10 +74,10 @@ def minilm_bars(m: dict):
     a2.axvline(100 * fp, color="black", linestyle="--", linewidth=0.8, label=f"FP32 {100 * fp:.1f}%")
     a2.set_xlim(max(0.0, min(acc + [100 * fp]) - 5), max(acc + [100 * fp]) + 2)
     a2.set_xlabel("sentiment accuracy % (logistic regression, CV)")
-    a2.legend(fontsize=7, loc="lower left")
+    a2.legend(fontsize=7, loc="lower left", bbox_to_anchor=(0.0, 1.0), frameon=False)
     a1.set_yticks(ys)
     a1.set_yticklabels(rows, fontsize=7)
-    fig.suptitle("all-MiniLM-L6-v2: INT8 recipes", fontsize=10)
+    fig.suptitle("all-MiniLM-L6-v2: INT8 recipes", fontsize=10, y=0.995)
     fig.tight_layout()
     return fig
 

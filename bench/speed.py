@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 torch.set_flush_denormal(True)
 
-from bench import _report  # noqa: E402
+from bench import _report
 
 
 def _quiet():
@@ -57,7 +57,12 @@ def _train_step(model, opt, x, y):
 
 
 def cnn_qat_step(repeats: int, inner: int, use_compile: bool, log) -> list[dict]:
-    from bench.onnx_export import BenchCNN, calibration_batches, quantize_and_calibrate, randomize_bn
+    from bench.onnx_export import (
+        BenchCNN,
+        calibration_batches,
+        quantize_and_calibrate,
+        randomize_bn,
+    )
 
     torch.manual_seed(0)
     fp32 = BenchCNN(32)

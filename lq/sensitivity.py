@@ -48,15 +48,15 @@ from lq.nn.modules.tensor_quantizer import TensorQuantizer
 
 __all__ = [
     "LayerSensitivity",
-    "SensitivityResult",
-    "quantized_layers",
-    "layer_sensitivity",
-    "sensitivity_analysis",
-    "greedy_exclude",
-    "fidelity_metric",
-    "quantization_disabled",
-    "calibration_method_search",
     "MethodSearchResult",
+    "SensitivityResult",
+    "calibration_method_search",
+    "fidelity_metric",
+    "greedy_exclude",
+    "layer_sensitivity",
+    "quantization_disabled",
+    "quantized_layers",
+    "sensitivity_analysis",
 ]
 
 MODES = ("only", "leave_out")
@@ -241,8 +241,8 @@ class SensitivityResult:
             f"Metric: {self.metric_name} ({'higher' if self.higher_is_better else 'lower'} is better); "
             f"floating point {f(self.float_metric)}, every layer quantized {f(self.quant_metric)}.",
             "",
-            f"| rank | layer | type | only this layer quantized | change vs float | all but this layer "
-            f"quantized | gain vs all quantized |",
+            "| rank | layer | type | only this layer quantized | change vs float | all but this layer "
+            "quantized | gain vs all quantized |",
             "|---:|---|---|---:|---:|---:|---:|",
         ]
         for r in rows:
@@ -284,7 +284,7 @@ class SensitivityResult:
 
         ranked = self.ranked(by)[:top]
         n = len(ranked)
-        fig, ax = plt.subplots(figsize=(7.5, 0.32 * n + 1.6))
+        fig, ax = plt.subplots(figsize=(8.5, 0.32 * n + 1.6))
         ys = list(range(n))[::-1]
         h = 0.4
         drop = [-(r.only_drop or 0.0) for r in ranked]
@@ -298,6 +298,10 @@ class SensitivityResult:
         ax.set_yticks(ys)
         ax.set_yticklabels([r.layer for r in ranked], fontsize=7)
         ax.axvline(0, color="black", linewidth=0.6)
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5, symmetric=True))
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
         ax.set_xlabel(f"{self.metric_name} change ({'higher' if self.higher_is_better else 'lower'} is better"
                       f", sign: + = better)")
         ax.set_title(title or f"Per-layer sensitivity (float {self.float_metric:.4g}, "

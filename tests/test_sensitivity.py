@@ -213,8 +213,9 @@ def test_errors_are_clear(data):
 
 
 def test_glob_special_characters_are_escaped():
-    from lq.sensitivity import _glob_escape
     import fnmatch
+
+    from lq.sensitivity import _glob_escape
 
     name = "blocks[0].fc"
     assert fnmatch.fnmatchcase(name, _glob_escape(name))
