@@ -104,12 +104,11 @@ def quantize_and_calibrate(model: nn.Module, batches, unsigned_relu: bool = Fals
 
 
 # =========================================================================== timing
-def latencies_ms(paths: dict, batch: int, threads: int, repeats: int, min_time: float) -> dict:
-    """Median ms per inference of each model; the models take turns within every repeat, so load from
-    other processes hits all of them alike."""
+def ort_times(paths: dict, x: np.ndarray, threads: int, repeats: int, min_time: float) -> dict:
+    """Seconds per inference of each model, one value per repeat; the models take turns within every
+    repeat, so load from other processes hits all of them alike."""
     from lq.export._verify import make_session
 
-    x = np.random.default_rng(0).standard_normal((batch, 3, 32, 32)).astype(np.float32)
     sessions = {}
     for key, p in paths.items():
         sess = make_session(p, intra_op_num_threads=threads or None)
@@ -121,7 +120,7 @@ def latencies_ms(paths: dict, batch: int, threads: int, repeats: int, min_time: 
             t = time.perf_counter()
             for _ in range(n):
                 sess.run(None, {name: x})
-            if time.perf_counter() - t >= min_time:
+            if time.perf_counter() - t >= min_time or n >= 4096:
                 break
             n *= 2
         sessions[key] = (sess, name, n)
@@ -131,8 +130,15 @@ def latencies_ms(paths: dict, batch: int, threads: int, repeats: int, min_time: 
             t = time.perf_counter()
             for _ in range(n):
                 sess.run(None, {name: x})
-            times[key].append((time.perf_counter() - t) / n * 1000)
-    return {k: statistics.median(v) for k, v in times.items()}
+            times[key].append((time.perf_counter() - t) / n)
+    return times
+
+
+def latencies_ms(paths: dict, batch: int, threads: int, repeats: int, min_time: float) -> dict:
+    """Median ms per inference of each model on a (batch, 3, 32, 32) input."""
+    x = np.random.default_rng(0).standard_normal((batch, 3, 32, 32)).astype(np.float32)
+    times = ort_times(paths, x, threads, repeats, min_time)
+    return {k: statistics.median(v) * 1000 for k, v in times.items()}
 
 
 def ort_int8_ops(path: str) -> str:

@@ -137,35 +137,6 @@ def minilm_qat_step(repeats: int, log, batch: int = 16, tokens: int = 64) -> lis
 
 
 # =========================================================================== onnxruntime
-def _ort_times(paths: dict, x: np.ndarray, threads: int, repeats: int, min_time: float) -> dict:
-    """Seconds per inference of each model, per repeat; the models take turns in every repeat."""
-    from lq.export._verify import make_session
-
-    sessions = {}
-    for key, p in paths.items():
-        sess = make_session(p, intra_op_num_threads=threads or None)
-        name = sess.get_inputs()[0].name
-        for _ in range(3):
-            sess.run(None, {name: x})
-        n = 1
-        while True:
-            t = time.perf_counter()
-            for _ in range(n):
-                sess.run(None, {name: x})
-            if time.perf_counter() - t >= min_time or n >= 4096:
-                break
-            n *= 2
-        sessions[key] = (sess, name, n)
-    times: dict = {k: [] for k in paths}
-    for _ in range(repeats):
-        for key, (sess, name, n) in sessions.items():
-            t = time.perf_counter()
-            for _ in range(n):
-                sess.run(None, {name: x})
-            times[key].append((time.perf_counter() - t) / n)
-    return times
-
-
 def _onnx_models(d: str, fast: bool, log) -> dict:
     """{model label: {fp32, lq_int8, ort_int8 paths, input shape, notes}}."""
     from bench.onnx_export import (
@@ -233,6 +204,8 @@ def _onnx_models(d: str, fast: bool, log) -> dict:
 
 
 def onnx_latency(fast: bool, threads: int, log) -> list[dict]:
+    from bench.onnx_export import ort_times
+
     rows = []
     repeats, min_time = (3, 0.05) if fast else (9, 0.25)
     with tempfile.TemporaryDirectory() as d:
@@ -245,7 +218,7 @@ def onnx_latency(fast: bool, threads: int, log) -> list[dict]:
                     x = np.ascontiguousarray(spec["sample"][:batch])
                 else:
                     x = np.random.default_rng(0).standard_normal((batch, *spec["shape"])).astype(np.float32)
-                t = _ort_times(paths, x, threads, repeats, min_time)
+                t = ort_times(paths, x, threads, repeats, min_time)
                 row = {"model": label, "batch": batch,
                        "fp32_s": _report.spread(t["FP32"]), "lq_s": _report.spread(t["lq INT8"]),
                        "ort_s": _report.spread(t["ORT quantize_static INT8"]),
