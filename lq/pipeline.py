@@ -14,7 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import lightning as L
 import numpy as np
@@ -200,8 +200,3 @@ def print_results(res: JobResult) -> None:
     for k, v in res.rows():
         t.add_row(k, v)
     Console().print(t)
-
-
-def job_config(**overrides: Any) -> JobConfig:
-    """A :class:`JobConfig` with the defaults of ``conf/train.yaml`` (for Python callers)."""
-    return JobConfig(**overrides)

@@ -38,6 +38,8 @@ def quantizer_rows(model: nn.Module, methods: Optional[Mapping[str, str]] = None
             "amax": _amax_text(q),
             "method": (methods or {}).get(name, type(q.calibrator).__name__ if q.calibrator is not None else "-"),
             "state": state,
+            # numeric largest amax (not a printed column): what loggers get as a metric
+            "amax_max": None if q.amax is None or q.dynamic else float(q.amax.detach().max()),
         })
     return rows
 
@@ -68,12 +70,7 @@ def print_table(rows, title: str = "lq quantization summary") -> None:
 
 def log_table(loggers, rows: list[dict], step: int = 0, key: str = "lq/summary") -> None:
     """Send the table to every logger in the form it takes (table, text), and amax as metrics."""
-    metrics = {}
-    for name, r in ((r["quantizer"], r) for r in rows):
-        try:
-            metrics[f"lq/amax/{name}"] = float(r["amax"].split(" ")[0].split("..")[-1])
-        except ValueError:
-            pass
+    metrics = {f"lq/amax/{r['quantizer']}": r["amax_max"] for r in rows if r.get("amax_max") is not None}
     for logger in loggers or []:
         exp = getattr(logger, "experiment", None)
         if hasattr(logger, "log_table"):
