@@ -416,3 +416,21 @@ def test_bad_callback_config_fails_at_construction():
     with pytest.raises(ValueError, match="unknown field"):
         lq.QuantCallback(quant={"inputs": {}})
     assert isinstance(lq.QuantCallback(quant=QuantConfig()).quant, QuantConfig)
+
+
+def test_heavy_clipping_is_reported_by_name():
+    """A histogram method that clips far below the data max is named in one warning."""
+    import lq.nn as qnn
+    from lq.tensor_quant import QuantDescriptor
+
+    model = torch.nn.Sequential(qnn.QuantLinear(4, 2, quant_desc_input=QuantDescriptor(calib_method="histogram")))
+    torch.manual_seed(0)
+    spiky = torch.cat([torch.rand(4000, 4) * 0.1, torch.full((2, 4), 10.0)])
+    with pytest.warns(RuntimeWarning, match=r"0\._input_quantizer") as rec:
+        calibrate_model(model, [spiky], method="percentile", percentile=99.0)
+    assert "method_overrides" in str(rec[0].message)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        calibrate_model(model, [spiky], method="max")  # max never clips: no warning

@@ -436,6 +436,11 @@ class HistogramCalibrator(_Calibrator):
             amax = compute_amax_mse(self._counts, width, self._num_bits, self._unsigned, stride, start_bin)
         else:
             amax = compute_amax_percentile(self._counts, width, percentile)
+        if method != "max":
+            # The grid reaches up to 2x past the data (power-of-two bin width): a candidate above the
+            # largest |x| seen only loses resolution, so amax never exceeds it (as with the reference
+            # toolkit, whose histogram ends at the max).
+            amax = torch.minimum(amax, self._absmax.double().reshape(amax.shape))
         amax = amax.float()
         return amax.reshape(self._amax_shape) if self._axis is not None else amax.reshape(())
 
