@@ -142,3 +142,30 @@ def fmt_ms(s: dict) -> str:
     m = s["median"] * 1e3
     d = 3 if m < 1 else (2 if m < 10 else 1)
     return f"{m:.{d}f} [{s['p25'] * 1e3:.{d}f}-{s['p75'] * 1e3:.{d}f}]"
+
+
+_NOISY_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "lq", "torch.onnx", "onnxscript",
+                  "torch._dynamo", "torch._inductor")
+
+
+def start_run(args) -> tuple[Path, str, float]:
+    """Common start of a bench entry point: output folder, torch threads, quiet logs, command, clock.
+
+    ``args`` needs ``out``, ``fast`` and ``threads``; returns ``(out folder, command line, start time)``.
+    """
+    import logging
+    import warnings
+
+    import torch
+
+    out = args.out or (Path("outputs/bench_fast") if args.fast else Path("docs/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    for name in _NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    return out, command(), time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)

@@ -30,12 +30,10 @@ import argparse
 import contextlib
 import copy
 import io
-import logging
 import os
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -54,11 +52,6 @@ METHODS = [  # (label, method, compute_amax kwargs)
     ("mse", "mse", {}),
 ]
 
-
-def _quiet():
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lq", "torch.onnx", "onnxscript"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 # =========================================================================== calibration helpers
@@ -613,15 +606,8 @@ def main(argv=None) -> int:
     ap.add_argument("--datasets", nargs="*", default=list(CNN_DATASETS), choices=list(CNN_DATASETS))
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stable on a shared machine)")
     args = ap.parse_args(argv)
-    out = args.out or (Path("outputs/bench_fast") if args.fast else Path("docs/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(args.threads)
-    _quiet()
-    cmd = _report.command()
-    t0 = time.perf_counter()
-
-    def log(msg):
-        print(msg, flush=True)
+    out, cmd, t0 = _report.start_run(args)
+    log = _report.log
 
     results: dict = {"fast": args.fast}
     if args.only in (None, "cnn"):

@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import copy
 import io
-import logging
 import os
 import sys
 import tempfile
@@ -41,11 +40,6 @@ torch.set_flush_denormal(True)
 
 from bench import _report
 
-
-def _quiet():
-    warnings.filterwarnings("ignore")
-    for name in ("lq", "torch.onnx", "onnxscript", "torch._dynamo", "torch._inductor"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 # =========================================================================== QAT step
@@ -332,15 +326,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
     ap.add_argument("--skip", nargs="*", default=[], choices=["qat", "minilm", "onnx", "kernels", "calib"])
     args = ap.parse_args(argv)
-    out = args.out or (Path("outputs/bench_fast") if args.fast else Path("docs/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(args.threads)
-    _quiet()
-    cmd = _report.command()
-    t0 = time.perf_counter()
-
-    def log(msg):
-        print(msg, flush=True)
+    out, cmd, t0 = _report.start_run(args)
+    log = _report.log
 
     repeats = args.repeats or (5 if args.fast else 21)
     res: dict = {"fast": args.fast, "threads": args.threads, "ort_threads": args.ort_threads}
