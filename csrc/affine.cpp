@@ -42,7 +42,7 @@ at::Tensor fake_affine_quant_cpu(const at::Tensor& x, const at::Tensor& min_rang
   const float min_bound = -static_cast<float>(int64_t{1} << (num_bits - 1));
   const float max_bound = static_cast<float>((int64_t{1} << (num_bits - 1)) - 1);
   const AffineOp op(min_bound, max_bound);
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = cached_empty_like(x);
   if (min_range.numel() == 1 && max_range.numel() == 1) {
     // step = (hi - lo) / levels, zp = round(lo / step) - min_bound, in float32 as the reference.
     const float lo = single_value(min_range), hi = single_value(max_range);

@@ -144,7 +144,7 @@ at::Tensor fake_dynamic_block_quant_cpu(const at::Tensor& x, int64_t axis, int64
                     ": allowed block sizes are divisors of ", n);
   // The result has the strides of empty_like(x), as the op's fake impl says; the kernel
   // works on contiguous data (a copy in and out only for a non-contiguous x).
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = cached_empty_like(x);
   if (x.numel() == 0) return out;
   const at::Tensor xc = x.contiguous();
   at::Tensor yc = out.is_contiguous() ? out : at::empty(xc.sizes(), xc.options());

@@ -25,6 +25,7 @@
 
 #include "common.h"
 #include "cpu_vec.h"
+#include "host_cache.h"
 
 namespace lq {
 namespace cpu {
@@ -162,7 +163,9 @@ bool run_unary_contiguous(T* out, const T* x, int64_t n, const std::array<float,
 }
 
 // ---------------------------------------------------------------- mask: out = inside(x, params) ? grad : 0
-template <typename G, typename X, int P, bool kPC, typename Op>
+// kSkipInside (out == g, in place): a step whose elements are all inside is not
+// stored back, so an unclipped tensor is only read.
+template <typename G, typename X, int P, bool kPC, typename Op, bool kSkipInside = false>
 inline void span_mask(G* out, const G* g, const X* x, const float* const* p, int64_t n, const Op& op) {
   Vec pb[P];
   if constexpr (!kPC) {
@@ -170,7 +173,7 @@ inline void span_mask(G* out, const G* g, const X* x, const float* const* p, int
   }
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
-    Vec gv[2], xv[2], ov[2];
+    Vec gv[2], xv[2], ov[2], mv[2];
     load2(g + i, gv[0], gv[1]);
     load2(x + i, xv[0], xv[1]);
     for (int j = 0; j < 2; ++j) {
@@ -179,7 +182,12 @@ inline void span_mask(G* out, const G* g, const X* x, const float* const* p, int
         if constexpr (kPC) pv[k] = load_param(p[k], i, j);
         else pv[k] = pb[k];
       }
-      ov[j] = gv[j] & op.inside(xv[j], pv);
+      mv[j] = op.inside(xv[j], pv);
+      ov[j] = gv[j] & mv[j];
+    }
+    // zero_mask(): a bit per lane that is all zeros, i.e. outside.
+    if constexpr (kSkipInside) {
+      if ((mv[0].zero_mask() | mv[1].zero_mask()) == 0) continue;
     }
     store2(out + i, ov[0], ov[1]);
   }
@@ -239,6 +247,50 @@ void run_mask(at::TensorIteratorBase& iter, const Op& op) {
       at::internal::GRAIN_SIZE);
 }
 
+// out = inside(x, params) ? grad : 0 on contiguous operands of one shape, every
+// parameter one value; out may be grad itself (kInPlace).
+template <int P, bool kInPlace, typename Op>
+inline void mask_dense(const at::Tensor& out, const at::Tensor& grad, const at::Tensor& xx,
+                       const std::array<at::Tensor, P>& params, const Op& op) {
+  const bool same = xx.scalar_type() == grad.scalar_type();
+  const int64_t n = grad.numel();
+  std::array<float, P> pv;
+  for (int k = 0; k < P; ++k) pv[k] = single_value(params[k]);
+  const float* pp[P];
+  for (int k = 0; k < P; ++k) pp[k] = &pv[k];
+  dispatch_float(grad.scalar_type(), "grad", [&](auto gtag) {
+    using G = decltype(gtag);
+    auto body = [&](auto xtag) {
+      using X = decltype(xtag);
+      G* o = out.mutable_data_ptr<G>();
+      const G* g = kInPlace ? o : grad.const_data_ptr<G>();
+      const X* xi = xx.const_data_ptr<X>();
+      at::parallel_for(0, n, at::internal::GRAIN_SIZE, [&](int64_t b, int64_t e) {
+        span_mask<G, X, P, false, Op, kInPlace>(o + b, g + b, xi + b, pp, e - b, op);
+      });
+    };
+    if (same) body(G{});
+    else body(float{});
+  });
+}
+
+// grad = inside(x, params) ? grad : 0 in place, for the cases mask_dense serves (grad
+// and x contiguous, one shape, x of grad's dtype or float32, every parameter one
+// value). Returns false, touching nothing, otherwise. The caller owns grad.
+template <int P, typename Op>
+inline bool mask_kernel_inplace(const at::Tensor& grad, const at::Tensor& x, const std::array<at::Tensor, P>& params,
+                                const Op& op) {
+  bool single = true;
+  for (const auto& t : params) single &= t.numel() == 1;
+  if (!single || grad.sizes() != x.sizes() || !grad.is_contiguous() || !x.is_contiguous() ||
+      !(x.scalar_type() == grad.scalar_type() || x.scalar_type() == at::kFloat) ||
+      !(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16)) {
+    return false;
+  }
+  mask_dense<P, true>(grad, grad, x, params, op);
+  return true;
+}
+
 // out = inside(x, params) ? grad : 0, dispatched over (grad dtype G, x dtype X) with
 // X == G or X == float; x of any other float dtype is widened to float32 first (exact).
 // params: float32 tensors that broadcast against x.
@@ -258,31 +310,13 @@ inline at::Tensor mask_kernel(const at::Tensor& grad, const at::Tensor& x, const
   for (const auto& t : params) single &= t.numel() == 1;
   if (single && grad.sizes() == xx.sizes() && grad.is_contiguous() && xx.is_contiguous()) {
     // Fast path: dense operands, one value per parameter.
-    at::Tensor out = at::empty_like(grad);
-    const int64_t n = grad.numel();
-    std::array<float, P> pv;
-    for (int k = 0; k < P; ++k) pv[k] = single_value(params[k]);
-    const float* pp[P];
-    for (int k = 0; k < P; ++k) pp[k] = &pv[k];
-    dispatch_float(grad.scalar_type(), "grad", [&](auto gtag) {
-      using G = decltype(gtag);
-      auto body = [&](auto xtag) {
-        using X = decltype(xtag);
-        G* o = out.mutable_data_ptr<G>();
-        const G* g = grad.const_data_ptr<G>();
-        const X* xi = xx.const_data_ptr<X>();
-        at::parallel_for(0, n, at::internal::GRAIN_SIZE, [&](int64_t b, int64_t e) {
-          span_mask<G, X, P, false>(o + b, g + b, xi + b, pp, e - b, op);
-        });
-      };
-      if (same) body(G{});
-      else body(float{});
-    });
+    at::Tensor out = cached_empty_like(grad);
+    mask_dense<P, false>(out, grad, xx, params, op);
     return out;
   }
   auto shape = at::infer_size(grad.sizes(), xx.sizes());
   for (const auto& t : params) shape = at::infer_size(shape, t.sizes());
-  at::Tensor out = grad.sizes() == at::IntArrayRef(shape) ? at::empty_like(grad) : at::empty(shape, grad.options());
+  at::Tensor out = grad.sizes() == at::IntArrayRef(shape) ? cached_empty_like(grad) : at::empty(shape, grad.options());
   if (out.numel() == 0) return out;
   at::TensorIteratorConfig cfg;
   cfg.set_check_mem_overlap(true).check_all_same_dtype(false).resize_outputs(false).add_owned_output(out);

@@ -48,7 +48,7 @@ at::Tensor scaled_e4m3_cpu(const at::Tensor& x, const at::Tensor& amax) {
     check_amax_values(a);
     si = compute_scales(a, kE4M3Max);
   }
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = cached_empty_like(x);
   if (x.numel() == 0) return out;
   if (si.all_zero) return out.zero_();
   dispatch_float(x.scalar_type(), "inputs", [&](auto tag) {

@@ -11,6 +11,7 @@
 #include "common.h"
 #include "cpu_elementwise.h"
 #include "cpu_quant_ops.h"
+#include "ste.h"
 
 namespace lq {
 namespace cpu {
@@ -102,7 +103,7 @@ void fake_quant_into(const at::Tensor& out, const at::Tensor& x, const Amax& a, 
 at::Tensor fake_quant_cpu(const at::Tensor& x, const at::Tensor& amax, int64_t num_bits, bool is_unsigned,
                           bool narrow_range) {
   const Amax a = prepare(x, amax, num_bits, is_unsigned);
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = cached_empty_like(x);
   fake_quant_into(out, x, a, num_bits, is_unsigned, narrow_range, is_unsigned);
   return out;
 }
@@ -137,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor> quant_cpu(const at::Tensor& x, const at::Tens
   } else {
     si = compute_scales(a.tensor, bd.max_bound);
   }
-  at::Tensor q = at::empty_like(x);
+  at::Tensor q = cached_empty_like(x);
   if (x.numel()) {
     const bool neg = run_scaled<QuantOpT>(q, x, a, scale, si.scale, false, bd, is_unsigned);
     TORCH_CHECK_VALUE(!neg, kNegativeUnsignedMsg);
@@ -162,6 +163,12 @@ at::Tensor fake_quant_backward_cpu(const at::Tensor& grad, const at::Tensor& x, 
 }
 
 }  // namespace
+
+bool fake_quant_backward_inplace(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& amax) {
+  if (amax.numel() != 1 || !amax.device().is_cpu() || !x.device().is_cpu()) return false;
+  return mask_kernel_inplace<1>(grad, x, {amax_as_float(amax)}, SteOp{});
+}
+
 }  // namespace cpu
 }  // namespace lq
 

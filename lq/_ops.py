@@ -5,7 +5,9 @@ One place defines every op (``SCHEMAS``). For each op this module registers
 * the schema (``torch.library``, namespace ``lq``),
 * a fake (meta) implementation, so ``torch.compile`` and ``torch.export``
   trace the op without running it,
-* the autograd formula (straight-through estimator with clipping), and
+* the autograd formula (straight-through estimator with clipping; on CPU the
+  extension registers the same formula in C++ for ``fake_quant`` and
+  ``scaled_e4m3``, csrc/autograd.cpp, tested against this one), and
 * the pure-PyTorch reference from :mod:`lq._reference` as the
   ``CompositeExplicitAutograd`` kernel: it serves any device that has no
   compiled kernel, and every device when the extension is unavailable.
