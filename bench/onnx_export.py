@@ -104,32 +104,33 @@ def quantize_and_calibrate(model: nn.Module, batches, unsigned_relu: bool = Fals
 
 
 # =========================================================================== timing
-def ort_times(paths: dict, x: np.ndarray, threads: int, repeats: int, min_time: float) -> dict:
+def ort_times(paths: dict, x, threads: int, repeats: int, min_time: float) -> dict:
     """Seconds per inference of each model, one value per repeat; the models take turns within every
-    repeat, so load from other processes hits all of them alike."""
+    repeat, so load from other processes hits all of them alike. ``x``: the input array of a
+    single-input model, or a dict of feeds by input name."""
     from lq.export._verify import make_session
 
     sessions = {}
     for key, p in paths.items():
         sess = make_session(p, intra_op_num_threads=threads or None)
-        name = sess.get_inputs()[0].name
+        feeds = x if isinstance(x, dict) else {sess.get_inputs()[0].name: x}
         for _ in range(3):
-            sess.run(None, {name: x})
+            sess.run(None, feeds)
         n = 1
         while True:  # inner loop long enough to be measurable
             t = time.perf_counter()
             for _ in range(n):
-                sess.run(None, {name: x})
+                sess.run(None, feeds)
             if time.perf_counter() - t >= min_time or n >= 4096:
                 break
             n *= 2
-        sessions[key] = (sess, name, n)
+        sessions[key] = (sess, feeds, n)
     times: dict = {k: [] for k in paths}
     for _ in range(repeats):
-        for key, (sess, name, n) in sessions.items():
+        for key, (sess, feeds, n) in sessions.items():
             t = time.perf_counter()
             for _ in range(n):
-                sess.run(None, {name: x})
+                sess.run(None, feeds)
             times[key].append((time.perf_counter() - t) / n)
     return times
 
