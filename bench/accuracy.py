@@ -182,6 +182,7 @@ def run_cnn(name: str, fast: bool, out: Path, log) -> dict:
     _trainer(s["qat_epochs"], [cb]).fit(qat, datamodule=dm)
     qat.eval()
     res["rows"]["INT8 QAT (QuantCallback)"] = {"acc": acc(qat), "method": best}
+    res["qat_changes"] = _changed_predictions(fp32, qat, x_test, y_test)
     log(f"  {name}: QAT {res['rows']['INT8 QAT (QuantCallback)']['acc']:.4f} ({time.perf_counter() - t0:.0f} s)")
 
     # ---- ONNX export of the QAT model, run in onnxruntime
@@ -201,6 +202,21 @@ def run_cnn(name: str, fast: bool, out: Path, log) -> dict:
         log(f"  {name}: {label} PTQ {res['rows'][f'{label} PTQ']['acc']:.4f}, "
             f"QAT {res['rows'][f'{label} QAT']['acc']:.4f}")
     return res
+
+
+@torch.no_grad()
+def _changed_predictions(fp32, qat, x, y) -> dict:
+    """The test images whose class QAT changed, with how close the FP32 model was to changing it:
+    the FP32 top-1 minus top-2 probability, and that margin's rank among all test images."""
+    p = torch.cat([fp32(x[i : i + 512]).softmax(1) for i in range(0, len(x), 512)])
+    top = p.topk(2, dim=1).values
+    margin = top[:, 0] - top[:, 1]
+    pf, pq = p.argmax(1), _predict(qat, x)
+    rank = margin.argsort().argsort()  # 0 = the least confident image
+    changed = (pf != pq).nonzero().flatten().tolist()
+    return {"n": len(changed), "fixed": sum(int(pq[i] == y[i]) for i in changed),
+            "broken": sum(int(pf[i] == y[i]) for i in changed),
+            "images": [{"index": i, "fp32_margin": float(margin[i]), "margin_rank": int(rank[i])} for i in changed]}
 
 
 def _onnx_row(qat, fp32, x, y, log, name) -> dict:
@@ -433,6 +449,10 @@ LEFT_FLOAT = [
 ]
 
 
+def _ordinal(k: int) -> str:
+    return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
+
+
 def _pct(v):
     return "-" if v is None else f"{100 * v:.2f}"
 
@@ -468,6 +488,12 @@ def cnn_markdown(results: dict) -> str:
                   f"{', '.join(f'{k} x{v}' for k, v in o['int8_kernels'].items()) or 'none'}.")
         elif o.get("error"):
             s += f" ONNX export failed: `{o['error']}`."
+        ch = r.get("qat_changes")
+        if ch:
+            imgs = ", ".join(f"#{c['index']} (FP32 margin {c['fp32_margin']:.3f}, the {_ordinal(c['margin_rank'] + 1)} "
+                             "least confident)" for c in ch["images"][:5])
+            s += (f" QAT changed the predicted class of {ch['n']} test image(s) ({ch['broken']} right in FP32 and "
+                  f"wrong after QAT, {ch['fixed']} the other way)" + (f": {imgs}." if imgs else "."))
         notes.append(s)
         fp = r["rows"]["FP32"]["acc"]
         for label, per_layer in r.get("input_amax", {}).items():

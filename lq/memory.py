@@ -14,6 +14,7 @@ Without the C++ extension there is no cache and these functions report zeros.
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import lru_cache
 
 from lq import _ext
@@ -52,6 +53,12 @@ def empty_cpu_cache() -> int:
     """Free every idle cached buffer; returns the number of bytes freed."""
     lib = _lib()
     return 0 if lib is None else int(lib.lq_cpu_cache_clear())
+
+
+def default_limit_mib() -> int:
+    """The limit the cache starts with: ``LQ_CPU_CACHE_MB``, or 1024."""
+    v = os.environ.get("LQ_CPU_CACHE_MB", "")
+    return int(v) if v.isdigit() else 1024
 
 
 def set_cpu_cache_limit(mib: int) -> None:
