@@ -62,32 +62,41 @@ def cnn_qat_step(repeats: int, inner: int, use_compile: bool, log) -> list[dict]
     fp32 = BenchCNN(32)
     randomize_bn(fp32)
     quant = quantize_and_calibrate(copy.deepcopy(fp32), calibration_batches(4))
-    fp32.train()
-    quant.train()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 3, 32, 32, generator=g)
     y = torch.randint(0, 10, (32,), generator=g)
+    rows = _step_ratios(fp32, quant, lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9),
+                        lambda run, opt: _train_step(run, opt, x, y), use_compile, repeats, inner, warmup=2)
+    for row in rows:
+        row.update(model="bench CNN (BenchCNN c=32, 32x32x3, batch 32)",
+                   target=1.15 if row["mode"] == "eager" else 1.2)
+        log(f"  QAT step, bench CNN, {row['mode']}: FP32 {_report.fmt_ms(row['fp32_s'])} ms, INT8 "
+            f"{_report.fmt_ms(row['quant_s'])} ms, ratio {_report.fmt_ratio(row['ratio'])}")
+    return rows
+
+
+def _step_ratios(fp32, quant, make_opt, step, use_compile: bool, repeats: int, inner: int, warmup: int) -> list[dict]:
+    """Time ``step(model, optimizer)`` for fresh copies of the FP32 and the quantized model, taking
+    turns in every repeat, eager and (``use_compile``) under torch.compile: one row per mode with
+    the spreads and the per-repeat quantized / FP32 ratio."""
     out = []
     modes = [("eager", False)] + ([("torch.compile", True)] if use_compile else [])
     for mode, comp in modes:
         fns = {}
         for key, m in (("FP32", fp32), ("INT8 QAT", quant)):
             mm = copy.deepcopy(m)
-            opt = torch.optim.SGD(mm.parameters(), lr=1e-3, momentum=0.9)
+            mm.train()
+            opt = make_opt(mm.parameters())
             run = torch.compile(mm) if comp else mm
-            fns[key] = (lambda run=run, opt=opt: _train_step(run, opt, x, y))
+            fns[key] = (lambda run=run, opt=opt: step(run, opt))
         t0 = time.perf_counter()
         for f in fns.values():  # compile (or warm up) outside the timing
             f()
         warm = time.perf_counter() - t0
-        times = _report.interleaved(fns, repeats, inner=inner, warmup=2)
-        r = _report.ratios(times["INT8 QAT"], times["FP32"])
-        row = {"model": "bench CNN (BenchCNN c=32, 32x32x3, batch 32)", "mode": mode,
-               "fp32_s": _report.spread(times["FP32"]), "quant_s": _report.spread(times["INT8 QAT"]), "ratio": r,
-               "target": 1.15 if mode == "eager" else 1.2, "warmup_s": warm}
-        log(f"  QAT step, bench CNN, {mode}: FP32 {_report.fmt_ms(row['fp32_s'])} ms, INT8 "
-            f"{_report.fmt_ms(row['quant_s'])} ms, ratio {_report.fmt_ratio(r)}")
-        out.append(row)
+        times = _report.interleaved(fns, repeats, inner=inner, warmup=warmup)
+        out.append({"mode": mode, "fp32_s": _report.spread(times["FP32"]),
+                    "quant_s": _report.spread(times["INT8 QAT"]),
+                    "ratio": _report.ratios(times["INT8 QAT"], times["FP32"]), "target": None, "warmup_s": warm})
     return out
 
 
@@ -115,29 +124,13 @@ def minilm_qat_step(repeats: int, use_compile: bool, log, batch: int = 16, token
         loss.backward()
         opt.step()
 
-    out = []
-    modes = [("eager", False)] + ([("torch.compile", True)] if use_compile else [])
-    for mode, comp in modes:
-        fns = {}
-        for key, m in (("FP32", model), ("INT8 QAT", quant)):
-            mm = copy.deepcopy(m)
-            mm.train()
-            opt = torch.optim.AdamW(mm.parameters(), lr=1e-5)
-            run = torch.compile(mm) if comp else mm
-            fns[key] = (lambda run=run, opt=opt: step(run, opt))
-        t0 = time.perf_counter()
-        for f in fns.values():  # compile (or warm up) outside the timing
-            f()
-        warm = time.perf_counter() - t0
-        times = _report.interleaved(fns, repeats, inner=1, warmup=1)
-        r = _report.ratios(times["INT8 QAT"], times["FP32"])
-        row = {"model": f"all-MiniLM-L6-v2 fine-tuning (batch {batch} x {tokens} tokens, AdamW)", "mode": mode,
-               "fp32_s": _report.spread(times["FP32"]), "quant_s": _report.spread(times["INT8 QAT"]), "ratio": r,
-               "target": None, "warmup_s": warm}
-        log(f"  fine-tuning step, MiniLM, {mode}: FP32 {_report.fmt_ms(row['fp32_s'])} ms, W8A8 "
-            f"{_report.fmt_ms(row['quant_s'])} ms, ratio {_report.fmt_ratio(r)}")
-        out.append(row)
-    return out
+    rows = _step_ratios(model, quant, lambda p: torch.optim.AdamW(p, lr=1e-5), step, use_compile, repeats,
+                        inner=1, warmup=1)
+    for row in rows:
+        row["model"] = f"all-MiniLM-L6-v2 fine-tuning (batch {batch} x {tokens} tokens, AdamW)"
+        log(f"  fine-tuning step, MiniLM, {row['mode']}: FP32 {_report.fmt_ms(row['fp32_s'])} ms, W8A8 "
+            f"{_report.fmt_ms(row['quant_s'])} ms, ratio {_report.fmt_ratio(row['ratio'])}")
+    return rows
 
 
 # =========================================================================== onnxruntime

@@ -37,9 +37,11 @@ int64_t limit_from_env() {
 class Cache {
  public:
   // A block is [header | data]; the header holds the block's rounded data size.
+  // nullptr when the cache is off (limit 0): the caller allocates as usual.
   void* get(size_t bytes) {
     {
       std::lock_guard<std::mutex> g(mu_);
+      if (limit_ == 0) return nullptr;
       auto it = free_.find(bytes);
       if (it != free_.end() && !it->second.empty()) {
         void* base = it->second.back();
@@ -93,17 +95,13 @@ class Cache {
     clear();
   }
 
-  bool enabled() {
-    std::lock_guard<std::mutex> g(mu_);
-    return limit_ > 0;
-  }
-
   void stats(int64_t* out) {
     std::lock_guard<std::mutex> g(mu_);
     out[0] = idle_;
     out[1] = live_;
     out[2] = hits_;
     out[3] = misses_;
+    out[4] = limit_;
   }
 
  private:
@@ -125,12 +123,12 @@ void release(void* base) { cache().put(base); }
 
 at::Tensor cached_empty_like(const at::Tensor& t) {
   const size_t nbytes = size_t(t.numel()) * t.element_size();
-  if (!t.device().is_cpu() || nbytes < kMinBytes || !t.is_non_overlapping_and_dense() || t.is_sparse() ||
-      !cache().enabled()) {
+  if (!t.device().is_cpu() || nbytes < kMinBytes || !t.is_non_overlapping_and_dense() || t.is_sparse()) {
     return at::empty_like(t);
   }
   const size_t bytes = (nbytes + kRound - 1) / kRound * kRound;
   void* base = cache().get(bytes);
+  if (base == nullptr) return at::empty_like(t);
   void* data = static_cast<char*>(base) + kHeader;
   c10::DataPtr dp(data, base, &release, c10::Device(c10::kCPU));
   // Resizable with the default CPU allocator: a later resize_ reallocates normally and
@@ -147,7 +145,7 @@ at::Tensor cached_empty_like(const at::Tensor& t) {
 }  // namespace lq
 
 extern "C" {
-void lq_cpu_cache_stats(int64_t* out4) { lq::cpu::cache().stats(out4); }
+void lq_cpu_cache_stats(int64_t* out5) { lq::cpu::cache().stats(out5); }
 int64_t lq_cpu_cache_clear() { return lq::cpu::cache().clear(); }
 void lq_cpu_cache_set_limit(int64_t bytes) { lq::cpu::cache().set_limit(bytes); }
 }

@@ -36,8 +36,8 @@ at::Tensor cached_empty_like(const at::Tensor& t);
 
 // Plain C entry points, called from Python with ctypes (lq/memory.py).
 extern "C" {
-// Bytes held idle in the cache, bytes handed out and still alive, and hits/misses.
-void lq_cpu_cache_stats(int64_t* out4);
+// Bytes held idle in the cache, bytes handed out and still alive, hits, misses, and the limit.
+void lq_cpu_cache_stats(int64_t* out5);
 // Free every idle buffer; returns the bytes freed.
 int64_t lq_cpu_cache_clear();
 // Set the idle-bytes limit (0 disables caching and frees everything idle).

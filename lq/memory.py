@@ -14,12 +14,11 @@ Without the C++ extension there is no cache and these functions report zeros.
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import lru_cache
 
 from lq import _ext
 
-_STAT_KEYS = ("idle_bytes", "live_bytes", "hits", "misses")
+_STAT_KEYS = ("idle_bytes", "live_bytes", "hits", "misses", "limit_bytes")
 
 
 @lru_cache(maxsize=1)
@@ -40,11 +39,11 @@ def _lib():
 
 def cpu_cache_stats() -> dict[str, int]:
     """``idle_bytes`` kept for reuse, ``live_bytes`` handed out and still alive,
-    and the ``hits``/``misses`` of allocation requests so far."""
+    the ``hits``/``misses`` of allocation requests so far, and ``limit_bytes``."""
     lib = _lib()
     if lib is None:
         return dict.fromkeys(_STAT_KEYS, 0)
-    buf = (ctypes.c_int64 * 4)()
+    buf = (ctypes.c_int64 * len(_STAT_KEYS))()
     lib.lq_cpu_cache_stats(buf)
     return dict(zip(_STAT_KEYS, (int(v) for v in buf)))
 
@@ -53,12 +52,6 @@ def empty_cpu_cache() -> int:
     """Free every idle cached buffer; returns the number of bytes freed."""
     lib = _lib()
     return 0 if lib is None else int(lib.lq_cpu_cache_clear())
-
-
-def default_limit_mib() -> int:
-    """The limit the cache starts with: ``LQ_CPU_CACHE_MB``, or 1024."""
-    v = os.environ.get("LQ_CPU_CACHE_MB", "")
-    return int(v) if v.isdigit() else 1024
 
 
 def set_cpu_cache_limit(mib: int) -> None:

@@ -21,9 +21,10 @@ def fq(x):
 
 
 @pytest.fixture(autouse=True)
-def _default_limit():
+def _keep_limit():
+    limit_mib = memory.cpu_cache_stats()["limit_bytes"] >> 20
     yield
-    memory.set_cpu_cache_limit(1024)
+    memory.set_cpu_cache_limit(limit_mib)
 
 
 def test_freed_output_is_reused_and_values_are_right():
