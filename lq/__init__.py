@@ -23,6 +23,7 @@ _LAZY = {
     "QuantSwap": ("lq.callbacks", "QuantSwap"),
     "QuantCalibrate": ("lq.callbacks", "QuantCalibrate"),
     "QATSchedule": ("lq.callbacks", "QATSchedule"),
+    "QuantDistill": ("lq.callbacks", "QuantDistill"),
     "QuantExport": ("lq.callbacks", "QuantExport"),
     "quantize_model": ("lq.convert", "quantize_model"),
     "calibrate_model": ("lq.calibration", "calibrate_model"),

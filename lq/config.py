@@ -288,6 +288,12 @@ class QATConfig:
             start at ``lr_start_fraction`` of the configured LR, cosine-anneal to ``lr_end_fraction`` of that).
         lr_start_fraction: fraction of the original LR that QAT starts at (default 1%).
         lr_end_fraction: fraction of the starting QAT LR that it ends at (default 1%).
+        distill_weight: quantization-aware distillation: the share of the gradient at the distilled output
+            that comes from matching a frozen FP32 copy of the model (taken before quantization) instead of
+            the training loss; 0 = off, 1 = distillation only (the labels no longer steer QAT).
+        distill_temperature: softmax temperature of the distillation loss (KL divergence times T^2).
+        distill_module: the submodule whose output are the logits to distill (a Tensor, or a mapping with
+            ``logits``); empty = the LightningModule's own forward.
     """
 
     enabled: bool = True
@@ -297,12 +303,22 @@ class QATConfig:
     lr_policy: str = "none"
     lr_start_fraction: float = 0.01
     lr_end_fraction: float = 0.01
+    distill_weight: float = 0.0
+    distill_temperature: float = 1.0
+    distill_module: str = ""
 
     def __post_init__(self):
         owner = type(self).__name__
         _choice(owner, "lr_policy", self.lr_policy, LR_POLICIES)
         _fraction(owner, "lr_start_fraction", self.lr_start_fraction)
         _fraction(owner, "lr_end_fraction", self.lr_end_fraction)
+        w = self.distill_weight
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 <= w <= 1:
+            raise ValueError(f"{owner}.distill_weight={w!r} is not allowed: expected a fraction in [0, 1] (0 = off)")
+        _positive(owner, "distill_temperature", self.distill_temperature)
+        if not isinstance(self.distill_module, str):
+            raise ValueError(f"{owner}.distill_module={self.distill_module!r} is not allowed: expected a submodule "
+                             "path such as 'model.classifier', or '' for the LightningModule itself")
         for name in ("freeze_bn_epoch", "freeze_amax_epoch"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -463,6 +479,7 @@ def reference_markdown() -> str:
             if f.name in ("quant", "calib", "qat", "export", "input", "weight"):
                 default = "see below" if cls is JobConfig else ("per-tensor int8" if f.name == "input" else "per-channel int8")
             text = docs.get(f.name, "").replace("|", "\\|")
-            lines.append(f"| `{f.name}` | `{default}` | {text} |")
+            shown = '""' if default == "" else default
+            lines.append(f"| `{f.name}` | `{shown}` | {text} |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts)

@@ -27,6 +27,7 @@ CNN_ROWS = [
     "INT8 PTQ percentile 99.999",
     "INT8 PTQ mse",
     "INT8 QAT (QuantCallback)",
+    "INT8 QAT + distillation (QuantCallback)",
     "INT8 QAT -> ONNX (onnxruntime)",
     "W4A8 per-channel PTQ",
     "W4A8 per-channel QAT",

@@ -86,6 +86,14 @@ def test_hydra_presets_build_the_dataclasses(preset, cls):
     assert job.calib.method == "percentile" and job.qat.lr_policy == "cosine"
 
 
+@pytest.mark.parametrize("preset,expected", [("default", C.QATConfig()),
+                                             ("cosine", C.QATConfig(lr_policy="cosine")),
+                                             ("learned_amax", C.QATConfig(learn_amax=True, freeze_amax_epoch=2)),
+                                             ("distill", C.QATConfig(lr_policy="cosine", distill_weight=1.0))])
+def test_hydra_qat_presets(preset, expected):
+    assert OmegaConf.to_object(_compose([f"qat={preset}"])).qat == expected
+
+
 @pytest.mark.parametrize("method", ["max", "entropy", "percentile", "mse"])
 def test_hydra_calib_presets(method):
     assert OmegaConf.to_object(_compose([f"calib={method}"])).calib.method == method

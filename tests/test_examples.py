@@ -41,11 +41,11 @@ def test_lightning_cli_example(tmp_path):
 
 
 def test_hydra_example_and_lq_train(tmp_path):
-    fast = ["trainer=fast", "fp32_epochs=1", "qat_epochs=1", "calib.num_batches=2", "calib=entropy",
+    fast = ["trainer=fast", "fp32_epochs=1", "qat_epochs=1", "calib.num_batches=2", "calib=entropy", "qat=distill",
             f"hydra.run.dir={tmp_path}"]
     log = _run([str(EXAMPLES / "hydra_app.py"), *fast], tmp_path)
     for row in ("accuracy: FP32", "accuracy: INT8 PTQ", "accuracy: INT8 QAT", "accuracy: INT8 ONNX",
-                "latency: int8, batch 32", "size: model_int8.onnx"):
+                "latency: int8, batch 32", "size: model_int8.onnx", "lq: QAT distills from a frozen FP32 copy"):
         assert row in log, row
     assert (tmp_path / "model_int8.onnx").exists()
 

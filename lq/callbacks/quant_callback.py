@@ -10,6 +10,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lq import report
 from lq.callbacks.calibrate import QuantCalibrate
+from lq.callbacks.distill import QuantDistill
 from lq.callbacks.export import QuantExport
 from lq.callbacks.qat import QATSchedule
 from lq.callbacks.swap import QuantSwap
@@ -24,6 +25,8 @@ class QuantCallback(L.Callback):
 
     ``Trainer(callbacks=[lq.QuantCallback()])`` quantizes any LightningModule:
 
+    0. :class:`QuantDistill` at ``setup``, when ``qat.distill_weight > 0``:
+       a frozen FP32 copy of the model becomes the teacher of QAT;
     1. :class:`QuantSwap` at ``setup`` (before checkpoint restore and
        ``configure_optimizers``);
     2. :class:`QuantCalibrate` at ``on_train_start`` (skipped when amax was
@@ -62,6 +65,7 @@ class QuantCallback(L.Callback):
         self.export = coerce(export, ExportConfig, "QuantCallback.export")
         self.log_histograms = log_histograms
         self.verbose = verbose
+        self.distill = QuantDistill(self.qat)
         self.swap = QuantSwap(self.quant, learn_amax=self.qat.learn_amax)
         self.calibrate = QuantCalibrate(self.calib)
         self.schedule = QATSchedule(self.qat)
@@ -70,7 +74,7 @@ class QuantCallback(L.Callback):
 
     @property
     def parts(self) -> tuple[L.Callback, ...]:
-        return (self.swap, self.calibrate, self.schedule, self.exporter)
+        return (self.distill, self.swap, self.calibrate, self.schedule, self.exporter)
 
     @property
     def state_key(self) -> str:
@@ -96,6 +100,9 @@ class QuantCallback(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._each("on_train_batch_start", trainer, pl_module, batch, batch_idx)
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._each("on_train_batch_end", trainer, pl_module, outputs, batch, batch_idx)
+
     def on_train_epoch_end(self, trainer, pl_module):
         self._each("on_train_epoch_end", trainer, pl_module)
 
@@ -119,6 +126,9 @@ class QuantCallback(L.Callback):
 
     def on_exception(self, trainer, pl_module, exception):
         self._each("on_exception", trainer, pl_module, exception)
+
+    def teardown(self, trainer, pl_module, stage):
+        self._each("teardown", trainer, pl_module, stage)
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
