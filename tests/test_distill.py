@@ -242,6 +242,23 @@ def test_fit_distills_from_the_fp32_model_and_cleans_up(tmp_path, dm):
     assert kl[1.0] < 0.25 * kl[0.0], kl
 
 
+def test_a_second_fit_keeps_the_first_teacher(tmp_path, dm):
+    L.seed_everything(0)
+    model = SmallCNN(channels=8)
+    fp32_weight = model.stem[0].weight.detach().clone()
+    cb = _callback(1.0)
+    _trainer(tmp_path, [cb]).fit(model, datamodule=dm)
+    assert not torch.equal(model.stem[0].weight, fp32_weight), "QAT did not move the weights"
+    got = {}
+
+    class _Probe(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            got["w"] = cb.distill.teacher.stem[0].weight.detach().clone()
+
+    _trainer(tmp_path, [cb, _Probe()], max_epochs=2).fit(model, datamodule=dm)
+    assert torch.equal(got["w"], fp32_weight)
+
+
 def test_resume_keeps_the_teacher_it_started_with(tmp_path, dm):
     L.seed_everything(0)
     model = SmallCNN(channels=8)

@@ -278,6 +278,19 @@ def test_state_dict_into_uncalibrated_quantizer():
     assert on_meta.amax.device.type == "meta"  # created where the quantizer lives
 
 
+def test_float_weights_into_a_calibrated_model_strict_and_not():
+    """Pretrained FP32 weights (no quantizer keys) load into a calibrated quantized model with strict=False and
+    keep its amax; strict=True names the missing amax."""
+    x = rand(4, 6)
+    model = nn.Sequential(nn.Identity())
+    model.add_module("q", calibrated(QuantDescriptor(axis=1), x))
+    amax = model.q.amax.clone()
+    result = model.load_state_dict({}, strict=False)
+    assert result.missing_keys == ["q._amax"] and torch.equal(model.q.amax, amax)
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*q\._amax"):
+        model.load_state_dict({})
+
+
 def test_state_dict_shape_mismatch_names_quantizer_and_shapes():
     model = nn.Sequential(nn.Identity())
     model.add_module("q", TensorQuantizer(QuantDescriptor(axis=0)))
@@ -290,7 +303,7 @@ def test_state_dict_shape_mismatch_names_quantizer_and_shapes():
     assert torch.equal(model.q.amax, torch.ones(3, 1))  # nothing half-loaded
     uncal = nn.Sequential(nn.Identity())
     uncal.add_module("q", TensorQuantizer(QuantDescriptor(axis=0)))
-    with pytest.raises(RuntimeError, match="q: the checkpoint has no amax"):
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*q\._amax"):  # strict: the calibrated amax is missing
         model.load_state_dict(uncal.state_dict())
     bad = {"q._amax": torch.tensor([[float("nan")], [1.0], [1.0]])}
     with pytest.raises(RuntimeError, match="finite"):

@@ -107,7 +107,9 @@ class QuantDistill(L.Callback):
       module docstring). ``lq/distill_kl`` is logged per step and per epoch.
     * ``state_dict`` holds the teacher's weights, so a resumed fit distills
       from the same FP32 model and not from whatever the module was built with.
-    * ``teardown``: the hook is removed and the teacher freed.
+    * ``teardown``: the hook is removed and the teacher module freed; its
+      weights stay on the host, so fitting again distills from the same FP32
+      model, not from the quantized model's own float weights.
 
     Args:
         qat: :class:`lq.config.QATConfig` (``distill_weight``, ``distill_temperature``,
@@ -154,7 +156,7 @@ class QuantDistill(L.Callback):
             q.disable()
         self.teacher.eval().requires_grad_(False)
         if self._pending is not None:
-            self.teacher.load_state_dict(self._pending)
+            self._load_teacher(self._pending)
             self._pending = None
         self._handle = target.register_forward_hook(self._hook, with_kwargs=True)
         rank_zero_info(f"lq: QAT distills from a frozen FP32 copy of {type(target).__name__} "
@@ -204,6 +206,8 @@ class QuantDistill(L.Callback):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        if self.teacher is not None:  # kept on the host, so a second fit distills from the same FP32 model
+            self._pending = self._teacher_weights()
         self.teacher = None
         self._kl.clear()
 
@@ -215,17 +219,29 @@ class QuantDistill(L.Callback):
         self._release()
 
     # ------------------------------------------------------------------ state
+    def _load_teacher(self, weights: dict) -> None:
+        """The saved teacher into the fresh copy. Quantizer state may be on one side only (the copy was taken
+        from an already quantized module, or the other way round): the teacher's quantizers are off anyway."""
+        missing, unexpected = self.teacher.load_state_dict(weights, strict=False)
+        wrong = [k for k in (*missing, *unexpected) if "_quantizer." not in k]
+        if wrong:
+            raise RuntimeError(f"lq distillation: the saved FP32 teacher does not fit the model: {wrong[:10]} "
+                               "(the checkpoint was made with a different model)")
+
+    def _teacher_weights(self) -> dict:
+        return {k: v.detach().cpu() for k, v in self.teacher.state_dict().items()}
+
     def state_dict(self) -> dict:
-        if self.teacher is None:
-            return {}
-        return {"teacher": {k: v.detach().cpu() for k, v in self.teacher.state_dict().items()}}
+        if self.teacher is not None:
+            return {"teacher": self._teacher_weights()}
+        return {} if self._pending is None else {"teacher": self._pending}
 
     def load_state_dict(self, state_dict: dict) -> None:
         weights = state_dict.get("teacher")
         if weights is None:
             return
         if self.teacher is not None:
-            self.teacher.load_state_dict(weights)
+            self._load_teacher(weights)
         else:
             self._pending = weights
 
