@@ -56,6 +56,20 @@ def _instantiate(spec: dict):
     return instantiate(dict(spec), _convert_="all")
 
 
+def _data_spec(cfg: JobConfig) -> dict:
+    """The datamodule's arguments, with the job's seed as its ``seed`` (split and shuffling) unless
+    ``data.seed`` is given or the datamodule takes no ``seed``."""
+    import inspect
+
+    from hydra.utils import get_class
+
+    spec = dict(cfg.data)
+    if "seed" not in spec and "_target_" in spec:
+        if "seed" in inspect.signature(get_class(spec["_target_"])).parameters:
+            spec["seed"] = cfg.seed
+    return spec
+
+
 def _trainer(cfg: JobConfig, root: Path, max_epochs: int, callbacks=None) -> L.Trainer:
     kwargs = dict(cfg.trainer)
     kwargs.update(max_epochs=max_epochs, default_root_dir=str(root), callbacks=callbacks or [])
@@ -138,7 +152,7 @@ def run_job(cfg: JobConfig, *, print_table: bool = True) -> JobResult:
     out.mkdir(parents=True, exist_ok=True)
     res = JobResult()
 
-    dm = _instantiate(cfg.data)
+    dm = _instantiate(_data_spec(cfg))
     model = _instantiate(cfg.model)
     dm.setup("fit")
 

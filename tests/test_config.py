@@ -139,3 +139,13 @@ def test_readme_config_reference_is_current():
     out = subprocess.run([sys.executable, str(root / "scripts" / "update_readme.py"), "--check"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_job_seed_reaches_the_datamodule_split_and_shuffle():
+    from lq.pipeline import _data_spec, _instantiate
+
+    assert _instantiate(_data_spec(C.JobConfig(seed=3))).hparams.seed == 3
+    explicit = C.JobConfig(seed=3, data={"_target_": "lq.zoo.DigitsDataModule", "seed": 5})
+    assert _instantiate(_data_spec(explicit)).hparams.seed == 5  # data.seed wins
+    job = OmegaConf.to_object(_compose(["seed=7"]))
+    assert _instantiate(_data_spec(job)).hparams.seed == 7  # through Hydra too
