@@ -111,6 +111,19 @@ def test_the_teacher_does_not_run_the_students_hooks():
     assert calls == [torch.Size([4, 4])], "a user's hook ran for the teacher too"
 
 
+def test_the_teacher_keeps_forward_pre_hooks():
+    """Modules use pre-hooks to work (old-style weight_norm, lq's attention fast-path guard): the teacher must
+    compute what the model computed."""
+    student = _Net()
+    student.body.register_forward_pre_hook(lambda m, args: (2.0 * args[0],))
+    x = torch.randn(4, 6)
+    expected = student(x).detach()
+    cb = QuantDistill(QATConfig(distill_weight=0.5))
+    cb.setup(_fake_trainer(), student, "fit")
+    with torch.no_grad():
+        torch.testing.assert_close(cb.teacher(x), expected)
+
+
 def test_outside_a_training_batch_the_hook_changes_nothing():
     student = _Net()
     cb = QuantDistill(QATConfig(distill_weight=0.5))

@@ -37,9 +37,11 @@ from torch import nn
 from lq.config import QATConfig, coerce
 from lq.nn.modules.tensor_quantizer import iter_quantizers
 
+# Hooks on the output side (a user's feature capture, logging, our own distillation hook) must not run for
+# the teacher; forward pre-hooks stay, since modules use them to work (old-style weight_norm/spectral_norm,
+# the quantized attention's fast-path guard).
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
-               "_backward_pre_hooks")
+               "_backward_hooks", "_backward_pre_hooks")
 
 
 class _TeacherGradient(torch.autograd.Function):
@@ -89,9 +91,10 @@ def distill_gradient(student: torch.Tensor, teacher: torch.Tensor, temperature: 
     dtype = torch.promote_types(student.dtype, torch.float32)  # half logits: the softmax in float32
     log_ps = F.log_softmax(student.detach().to(dtype) / t, dim=-1)
     log_pt = F.log_softmax(teacher.detach().to(dtype) / t, dim=-1)
+    pt = log_pt.exp()
     rows = max(1, student.numel() // max(1, student.shape[-1]))
-    diff = (log_ps.exp() - log_pt.exp()) * (t / rows)
-    kl = (log_pt.exp() * (log_pt - log_ps)).sum() * (t * t / rows)
+    diff = (log_ps.exp() - pt) * (t / rows)
+    kl = (pt * (log_pt - log_ps)).sum() * (t * t / rows)
     return diff, kl
 
 
@@ -99,8 +102,8 @@ class QuantDistill(L.Callback):
     """Quantization-aware distillation (``QATConfig.distill_weight > 0``).
 
     * ``setup("fit")``: a frozen copy of the distilled module is taken as the
-      teacher, with any quantizers in it disabled, its hooks dropped, in eval
-      mode. In :class:`lq.QuantCallback` this runs before the swap, so the
+      teacher, with any quantizers in it disabled, its forward and backward
+      hooks dropped (forward pre-hooks kept), in eval mode. In :class:`lq.QuantCallback` this runs before the swap, so the
       teacher is the FP32 model.
     * Every training batch: the teacher runs on the student's arguments (no
       grad) and the student's logits carry the distillation gradient (see the
