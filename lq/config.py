@@ -44,9 +44,12 @@ def _positive(owner: str, name: str, value, *, allow_none: bool = False, strict:
         raise ValueError(f"{owner}.{name}={value!r} is not allowed: expected {kind}" + (" or None" if allow_none else ""))
 
 
-def _fraction(owner: str, name: str, value) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
-        raise ValueError(f"{owner}.{name}={value!r} is not allowed: expected a fraction in (0, 1]")
+def _fraction(owner: str, name: str, value, *, zero_means: str = "") -> None:
+    """A number in (0, 1], or in [0, 1] when ``zero_means`` says what 0 does."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and (0 <= value <= 1 if zero_means else 0 < value <= 1)):
+        allowed = f"[0, 1] (0 = {zero_means})" if zero_means else "(0, 1]"
+        raise ValueError(f"{owner}.{name}={value!r} is not allowed: expected a fraction in {allowed}")
 
 
 @dataclass
@@ -312,9 +315,7 @@ class QATConfig:
         _choice(owner, "lr_policy", self.lr_policy, LR_POLICIES)
         _fraction(owner, "lr_start_fraction", self.lr_start_fraction)
         _fraction(owner, "lr_end_fraction", self.lr_end_fraction)
-        w = self.distill_weight
-        if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 <= w <= 1:
-            raise ValueError(f"{owner}.distill_weight={w!r} is not allowed: expected a fraction in [0, 1] (0 = off)")
+        _fraction(owner, "distill_weight", self.distill_weight, zero_means="off")
         _positive(owner, "distill_temperature", self.distill_temperature)
         if not isinstance(self.distill_module, str):
             raise ValueError(f"{owner}.distill_module={self.distill_module!r} is not allowed: expected a submodule "
