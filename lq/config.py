@@ -201,6 +201,20 @@ class Int8PerChannelConfig(QuantConfig):
 
 
 @dataclass
+class Int8ReduceRangeConfig(QuantConfig):
+    """INT8 per-tensor inputs, 7-bit per-channel weights (``|q| <= 63``): onnxruntime's fastest CPU kernels.
+
+    onnxruntime's x86 uint8 x int8 kernels add pairs of products in a saturating int16 on CPUs without
+    VNNI (AVX2, AVX-512 without VNNI); 7-bit weights keep every pair within it, so the export runs those
+    kernels on every CPU. With full 8-bit weights lq stores the weights as uint8 (zero point 128) instead:
+    the same values, exact everywhere, on the slower uint8 x uint8 kernels. The weight grid is part of the
+    recipe, so calibration, QAT and the ONNX file all use 7 bits.
+    """
+
+    weight: QuantizerConfig = field(default_factory=lambda: QuantizerConfig(num_bits=7, axis=[0]))
+
+
+@dataclass
 class FP8Config(QuantConfig):
     """FP8 E4M3 inputs (per tensor) and weights (per channel)."""
 
@@ -222,6 +236,7 @@ class Int4BlockWeightConfig(QuantConfig):
 RECIPES = {
     "int8_per_tensor": Int8PerTensorConfig,
     "int8_per_channel": Int8PerChannelConfig,
+    "int8_reduce_range": Int8ReduceRangeConfig,
     "fp8": FP8Config,
     "int4_block_weight": Int4BlockWeightConfig,
 }

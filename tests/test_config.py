@@ -58,7 +58,9 @@ def test_recipes():
     assert C.FP8Config().input.to_descriptor().num_bits == (4, 3)
     r = C.Int4BlockWeightConfig()
     assert not r.input.enabled and r.weight.num_bits == 4 and r.weight.block_size == 32
-    assert set(C.RECIPES) == {"int8_per_tensor", "int8_per_channel", "fp8", "int4_block_weight"}
+    assert C.Int8ReduceRangeConfig().weight.num_bits == 7 and C.Int8ReduceRangeConfig().weight.axis == [0]
+    assert set(C.RECIPES) == {"int8_per_tensor", "int8_per_channel", "int8_reduce_range", "fp8",
+                               "int4_block_weight"}
 
 
 def test_overrides_and_globs():
@@ -78,7 +80,8 @@ def _compose(overrides):
 
 @pytest.mark.parametrize("preset,cls", [("int8_per_tensor", C.Int8PerTensorConfig), ("fp8", C.FP8Config),
                                         ("int4_block_weight", C.Int4BlockWeightConfig),
-                                        ("int8_per_channel", C.Int8PerChannelConfig)])
+                                        ("int8_per_channel", C.Int8PerChannelConfig),
+                                        ("int8_reduce_range", C.Int8ReduceRangeConfig)])
 def test_hydra_presets_build_the_dataclasses(preset, cls):
     job = OmegaConf.to_object(_compose([f"quant={preset}", "calib=percentile", "qat=cosine"]))
     assert isinstance(job, C.JobConfig) and type(job.quant) is cls

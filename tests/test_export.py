@@ -96,6 +96,15 @@ def _init(path):
     return {i.name: numpy_helper.to_array(i) for i in onnx.load(path).graph.initializer}
 
 
+def _signed_weight(inits, dq):
+    """The integers a weight DequantizeLinear reads, zero point removed (int8, or uint8 with zero point 128)."""
+    q = inits[dq.input[0]].astype(np.int32)
+    zp = inits[dq.input[2]].astype(np.int32) if len(dq.input) > 2 and dq.input[2] else np.zeros((), np.int32)
+    if zp.ndim == 1:
+        zp = zp.reshape([-1 if d == (_attr(dq, "axis", 1) % q.ndim) else 1 for d in range(q.ndim)])
+    return q - zp
+
+
 def _attr(node, name, default=None):
     for a in node.attribute:
         if a.name == name:
@@ -180,13 +189,13 @@ def test_qdq_scales_and_axis(exported):
     np.testing.assert_allclose(inits[q_in.input[1]], amax_in / 127, rtol=1e-6)
     zp = inits[q_in.input[2]]
     assert zp.dtype in (np.int8, np.uint8) and int(zp) == (128 if zp.dtype == np.uint8 else 0)
-    # per-channel weights: int8 initializers, 1-D scale along axis 0 = amax * |gamma / sqrt(var + eps)| / 127
+    # per-channel weights: 8-bit initializers, 1-D scale along axis 0 = amax * |gamma / sqrt(var + eps)| / 127
     conv = model.block.conv1
     bn = model.block.bn1
     k = (bn.weight / torch.sqrt(bn.running_var + bn.eps)).detach()
     expect = (conv._weight_quantizer.amax.reshape(-1) * k.abs() / 127).numpy()
-    w_dqs = [n for n in dq_nodes if inits.get(n.input[0]) is not None and inits[n.input[0]].dtype == np.int8
-             and inits[n.input[0]].ndim == 4]
+    w_dqs = [n for n in dq_nodes if inits.get(n.input[0]) is not None
+             and inits[n.input[0]].dtype in (np.int8, np.uint8) and inits[n.input[0]].ndim == 4]
     assert len(w_dqs) == 3
     scales = [inits[n.input[1]] for n in w_dqs]
     match = [s for s in scales if s.shape == expect.shape and np.allclose(s, expect, rtol=1e-5)]
@@ -229,7 +238,7 @@ def test_per_tensor_weights_without_bn_scale_is_amax_over_127(tmp_path):
     assert s.ndim == 0 and np.isclose(float(s), stem_amax / 127, rtol=1e-6)
     # the weights themselves: lq's rounding of w * 127 / amax
     w = model.stem[0].weight.detach().numpy()
-    np.testing.assert_array_equal(inits[w_dq.input[0]], np.clip(np.round(w * (127 / stem_amax)), -128, 127))
+    np.testing.assert_array_equal(_signed_weight(inits, w_dq), np.clip(np.round(w * (127 / stem_amax)), -128, 127))
     assert optimized_op_counts(path)["QLinearConv"] >= 3
 
 

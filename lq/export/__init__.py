@@ -18,7 +18,8 @@ from lq.export._export import (
     export_onnx,
     find_uncalibrated_quantizers,
 )
-from lq.export._graph import ExportError, FoldRecord, QuantNodeInfo
+from lq.export._fold_bn import FoldRecord
+from lq.export._ir import ExportError, QuantNodeInfo
 from lq.export._verify import INT8_KERNELS, optimized_op_counts
 
 __all__ = [

@@ -18,8 +18,9 @@ import numpy as np
 import onnx
 import torch
 
-from lq.export import _graph, _symbolic, _verify
-from lq.export._graph import ExportError, FoldRecord, QuantNodeInfo
+from lq.export import _finish, _fold_bn, _fold_constants, _int16, _kernel_report, _lower, _placement, _symbolic, _verify
+from lq.export._fold_bn import FoldRecord
+from lq.export._ir import ExportError, Graph, QuantNodeInfo, layer_name
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class ExportResult:
         ort_ops: op types of the graph onnxruntime runs after its optimizations (fusion check).
         qdq_nodes: number of QuantizeLinear / DequantizeLinear nodes in the saved graph.
         warnings: anything worth knowing (fusions that could not happen, clipped weights ...).
+        uint8_weights: layers whose int8 weights were stored as uint8 with zero point 128 (the same values) because
+            onnxruntime's u8 x s8 kernels could saturate int16 on them on CPUs without VNNI (see ``_int16``).
         export_seconds: wall time of the export (PyTorch -> ONNX -> rewrites), without verification.
     """
 
@@ -69,6 +72,7 @@ class ExportResult:
     output_names: list[str]
     warnings: list[str] = dataclasses.field(default_factory=list)
     export_seconds: float = 0.0
+    uint8_weights: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def quantized_layers(self) -> list[str]:
@@ -410,45 +414,54 @@ def export_onnx(
         raise ExportError(f"torch.onnx export ({exporter}) failed: {type(e).__name__}: {_short(e)}") from e
 
     # --- graph rewrites
-    g = _graph.Graph(proto)
+    g = Graph(proto)
     infos: list[QuantNodeInfo] = []
     notes: list[str] = []
-    _graph.fold_constants(g)
-    _graph.lower_placeholders(g, _graph.LowerOptions(opset=opset, weight_format=weight_format,
+    _fold_constants.fold_constants(g)
+    _lower.lower_placeholders(g, _lower.LowerOptions(opset=opset, weight_format=weight_format,
                                                      activation_dtype="uint8" if target == "onnxruntime" else "int8",
                                                      narrow_clamp=target == "onnxruntime"), infos)
-    _graph.fold_weight_quantize(g)
+    _lower.fold_weight_quantize(g)
     folds: list[FoldRecord] = []
     if fold_bn:
-        folds = _graph.fold_batchnorm(g)
+        folds = _fold_bn.fold_batchnorm(g)
         for f in folds:
             if f.skipped:
                 notes.append(f"BatchNorm '{f.bn}' not folded into '{f.layer}': {f.skipped}")
             if f.clipped:
                 notes.append(f"folding '{f.bn}' flipped the sign of {f.clipped} weight(s) at -128, clipped to 127")
-    _graph.transpose_weight_dq(g)
+    _finish.transpose_weight_dq(g)
     if target == "onnxruntime":
-        _graph.dedupe_quantizers(g)
-        _graph.split_shared_producers(g)
-        _graph.hoist_quantizers(g, relu_to_unsigned=True)
-        _graph.quantize_bias(g)
-    _graph.dedupe_quantizers(g)
+        _placement.dedupe_quantizers(g)
+        _placement.split_shared_producers(g)
+        _placement.hoist_quantizers(g, relu_to_unsigned=True)
+        _placement.quantize_bias(g)
+    _placement.dedupe_quantizers(g)
+    u8_weights = _int16.encode_int16_safe(g) if target == "onnxruntime" else []
     if weight_format == "qdq":
-        _graph.weights_to_qdq(g)
+        _finish.weights_to_qdq(g)
     proto = g.finalize()
-    ranks = _graph.value_ranks(proto)
-    g = _graph.Graph(proto)
-    if _graph.global_pools(g, ranks):
+    ranks = _finish.value_ranks(proto)
+    g = Graph(proto)
+    if _placement.global_pools(g, ranks):
         proto = g.finalize()
-    layer_of = {n.name: _graph.layer_name(n) for n in proto.graph.node}
-    unfused = _graph.unfused_layers(proto, layer_of) if target == "onnxruntime" else []
+    layer_of = {n.name: layer_name(n) for n in proto.graph.node}
+    unfused = _kernel_report.unfused_layers(proto, layer_of) if target == "onnxruntime" else []
     if not keep_metadata:
-        _graph.strip_metadata(proto)
-    _graph.remove_placeholder_opset(proto)
+        _finish.strip_metadata(proto)
+    _finish.remove_placeholder_opset(proto)
     proto, opset = _set_opset(proto, opset, notes)
     if any(n.domain == _symbolic.DOMAIN for n in proto.graph.node):  # pragma: no cover - defensive
         raise ExportError("internal error: an lq placeholder was left in the graph")
+    risks = _int16.int16_risks(proto)
+    if target == "onnxruntime" and risks:  # pragma: no cover - encode_int16_safe leaves none
+        raise ExportError("internal error: integer kernels that can saturate int16 remain: "
+                          + "; ".join(map(str, risks)))
     if target == "tensorrt":
+        if risks:
+            notes.append(f"{len(risks)} integer kernel(s) would saturate in onnxruntime's CPU kernels without VNNI "
+                         "(TensorRT accumulates in int32, so the file is right for TensorRT; for onnxruntime "
+                         "export with target='onnxruntime'): " + "; ".join(map(str, risks)))
         u8 = sorted({q.layer for q in infos if q.dtype == "uint8" and q.kind == "activation"})
         if u8:
             notes.append(f"TensorRT supports only int8 Q/DQ; unsigned (uint8) quantizers: {', '.join(u8)}")
@@ -467,7 +480,7 @@ def export_onnx(
     ort_ops: Counter = Counter()
     if verify:
         try:
-            sess = _verify.make_session(data, providers)
+            sess = _verify.make_session(data, providers, graph_optimization_level=_verify.verify_level(target))
             ort_out = _verify.run(sess, [a.numpy() for a in args if isinstance(a, torch.Tensor)])
         except Exception as e:
             _save_unverified(proto, path)
@@ -500,7 +513,7 @@ def export_onnx(
         path=path, opset=opset, exporter=exporter, max_abs_diff=max_diff, tolerance=tol, providers=providers,
         file_size=os.path.getsize(path), quantized=infos, folded_bn=folds, ort_ops=ort_ops,
         qdq_nodes=_count_qdq(proto), input_names=input_names, output_names=output_names, warnings=notes,
-        export_seconds=export_seconds)
+        export_seconds=export_seconds, uint8_weights=u8_weights)
 
 
 def _unverified(path: str) -> str:

@@ -45,6 +45,20 @@ def make_session(path_or_bytes, providers=None, *, optimized_model_filepath: str
     return ort.InferenceSession(path_or_bytes, so, providers=providers or default_providers())
 
 
+def verify_level(target: str):
+    """onnxruntime graph optimization level to verify a file for ``target`` with.
+
+    An onnxruntime file is checked as onnxruntime will run it (all fusions on: the integer kernels). A
+    TensorRT file is checked for its Q/DQ semantics (basic optimizations, no QDQ fusion): TensorRT
+    accumulates in int32, while onnxruntime's CPU kernels for its int8 x int8 encoding can saturate on
+    CPUs without VNNI, which says nothing about the file's correctness on TensorRT.
+    """
+    ort = _ort()
+    if target == "tensorrt":
+        return ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    return ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+
+
 def run(session, inputs) -> list[np.ndarray]:
     names = [i.name for i in session.get_inputs()]
     if len(names) != len(inputs):

@@ -1,0 +1,234 @@
+"""The graph IR every export pass works on: a mutable view of an ``onnx.ModelProto`` and node helpers.
+
+Both torch.onnx exporters produce an ``onnx.ModelProto``; the passes (``_lower``,
+``_fold_bn``, ``_placement``, ``_int16``, ...) rewrite it through :class:`Graph`
+so the numerics never depend on how a model called the quantization ops.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from collections import defaultdict
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+QDQ = ("QuantizeLinear", "DequantizeLinear")
+
+
+class ExportError(RuntimeError):
+    """Export failed; the message names the layer(s) and what is allowed. Never raised after touching files
+    that hold trained weights."""
+
+
+@dataclasses.dataclass
+class QuantNodeInfo:
+    """One quantized tensor of the exported graph."""
+
+    layer: str
+    kind: str  # "activation" | "weight"
+    dtype: str  # "int8", "uint8", "float8e4m3fn", "int4", ...
+    axis: int | None
+    scale: np.ndarray | None  # None for a scale computed in the graph (dynamic amax)
+    block_size: int | None = None
+
+
+# =========================================================================== graph wrapper
+class Graph:
+    """A mutable view of ``model.graph``: node list, constants by name, fresh names."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.g = model.graph
+        self.nodes: list[onnx.NodeProto] = list(self.g.node)
+        self.consts: dict[str, np.ndarray] = {}
+        self._const_protos: dict[str, onnx.TensorProto] = {}
+        for init in self.g.initializer:
+            self._const_protos[init.name] = init
+        self._used_names: set[str] = set(self._const_protos)
+        for n in self.nodes:
+            self._used_names.update(n.output)
+            self._used_names.update(n.input)
+        self._used_names.update(i.name for i in self.g.input)
+        self.graph_outputs = {o.name for o in self.g.output}
+        self.graph_inputs = {i.name for i in self.g.input}
+        self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+    # --- constants
+    def const(self, name: str) -> np.ndarray | None:
+        if not name:
+            return None
+        if name in self.consts:
+            return self.consts[name]
+        proto = self._const_protos.get(name)
+        if proto is None:
+            return None
+        arr = numpy_helper.to_array(proto, base_dir=getattr(self, "base_dir", ""))
+        self.consts[name] = arr
+        return arr
+
+    def is_const(self, name: str) -> bool:
+        return bool(name) and (name in self.consts or name in self._const_protos)
+
+    def const_dtype(self, name: str) -> int | None:
+        p = self._const_protos.get(name)
+        if p is not None and name not in self._const_overrides():
+            return p.data_type
+        a = self.consts.get(name)
+        if a is None:
+            return None
+        try:
+            return helper.np_dtype_to_tensor_dtype(a.dtype)
+        except Exception:
+            return None
+
+    def _const_overrides(self):
+        return getattr(self, "_overrides", set())
+
+    def add_const(self, hint: str, array, proto: onnx.TensorProto | None = None) -> str:
+        name = self.fresh(hint)
+        if proto is not None:
+            proto = onnx.TensorProto.FromString(proto.SerializeToString())
+            proto.name = name
+            self._const_protos[name] = proto
+        else:
+            self.consts[name] = np.asarray(array)
+            self._overrides = self._const_overrides() | {name}
+        return name
+
+    def fresh(self, hint: str) -> str:
+        base = hint.replace("::", "_") or "t"
+        name, i = base, 0
+        while name in self._used_names:
+            i += 1
+            name = f"{base}_{i}"
+        self._used_names.add(name)
+        return name
+
+    # --- topology
+    def producers(self) -> dict[str, onnx.NodeProto]:
+        return {o: n for n in self.nodes for o in n.output if o}
+
+    def consumers(self) -> dict[str, list[onnx.NodeProto]]:
+        out: dict[str, list] = defaultdict(list)
+        for n in self.nodes:
+            for i in n.input:
+                if i:
+                    out[i].append(n)
+        return out
+
+    def replace_uses(self, old: str, new: str) -> None:
+        for n in self.nodes:
+            for k, i in enumerate(n.input):
+                if i == old:
+                    n.input[k] = new
+        if old in self.graph_outputs:
+            raise AssertionError("graph outputs are never renamed")
+
+    def make_node(self, op_type, inputs, outputs=None, hint=None, domain="", like=None, **attrs):
+        hint = hint or op_type
+        if outputs is None:
+            outputs = [self.fresh(f"{hint}_out")]
+        node = helper.make_node(op_type, inputs, outputs, name=self.fresh(hint), domain=domain, **attrs)
+        if like is not None:
+            for p in like.metadata_props:
+                node.metadata_props.add(key=p.key, value=p.value)
+        return node
+
+    # --- output
+    def finalize(self) -> onnx.ModelProto:
+        self.nodes = _toposort(self.nodes, set(self.graph_inputs) | set(self.consts) | set(self._const_protos))
+        used = {i for n in self.nodes for i in n.input} | self.graph_outputs
+        del self.g.node[:]
+        self.g.node.extend(self.nodes)
+        inits = []
+        overrides = self._const_overrides()
+        for name in sorted(used):
+            if name in overrides or (name in self.consts and name not in self._const_protos):
+                inits.append(_to_tensor(self.consts[name], name))
+            elif name in self._const_protos:
+                inits.append(self._const_protos[name])
+        del self.g.initializer[:]
+        self.g.initializer.extend(inits)
+        del self.g.value_info[:]  # stale after rewrites; shape inference recomputes what is needed
+        return self.model
+
+
+def _to_tensor(arr: np.ndarray, name: str) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(arr), name)
+
+
+def _toposort(nodes, available: set[str]):
+    avail = set(available)
+    pending = list(nodes)
+    out = []
+    while pending:
+        progressed = False
+        rest = []
+        for n in pending:
+            if all((not i) or i in avail for i in n.input):
+                out.append(n)
+                avail.update(n.output)
+                progressed = True
+            else:
+                rest.append(n)
+        pending = rest
+        if not progressed:  # graph inputs we did not list (or a cycle): keep the remaining order
+            out.extend(pending)
+            break
+    return out
+
+
+def attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def set_attr(node: onnx.NodeProto, name: str, value) -> None:
+    for k, a in enumerate(node.attribute):
+        if a.name == name:
+            del node.attribute[k]
+            break
+    node.attribute.append(helper.make_attribute(name, value))
+
+
+def layer_name(node: onnx.NodeProto) -> str:
+    """The PyTorch module path that produced ``node`` (dynamo metadata or legacy scope names)."""
+    for p in node.metadata_props:
+        if p.key == "pkg.torch.onnx.name_scopes":
+            try:
+                scopes = [s for s in ast.literal_eval(p.value) if s]
+            except (ValueError, SyntaxError):
+                break
+            mods = scopes[:-1] if len(scopes) > 1 else scopes
+            if not mods:
+                return node.name or "<model>"
+            # entries are either cumulative ("layer1", "layer1.0") or relative ("layer1", "0")
+            parts: list[str] = []
+            for s in mods:
+                if parts and s.startswith(".".join(parts) + "."):
+                    parts = s.split(".")
+                else:
+                    parts.append(s)
+            return ".".join(parts)
+    name = node.name or ""
+    if "/" in name:  # legacy: "/layer1/layer1.0/conv1/_input_quantizer/FakeQuant_3"
+        scopes = [s for s in name.split("/")[:-1] if s]
+        if scopes:
+            return ".".join(_dedupe_scopes(scopes))
+    return name or "<unnamed>"
+
+
+def _dedupe_scopes(scopes):
+    out: list[str] = []
+    for s in scopes:
+        if out and s.startswith(out[-1] + "."):
+            out[-1] = s
+        else:
+            out.append(s)
+    return out
+

@@ -1,0 +1,308 @@
+"""Q/DQ placement for onnxruntime: where quantizers go so its integer kernels fuse, every move exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from lq.export._ir import Graph, attr
+from lq.export._rules import commutes, produces
+
+# ops that commute with per-tensor fake quantization: f(fq(x)) == fq(f(x)) exactly
+
+
+def _qparams(g: Graph, q):
+    s = g.const(q.input[1])
+    z = g.const(q.input[2]) if len(q.input) > 2 and q.input[2] else None
+    dt = g.const_dtype(q.input[2]) if len(q.input) > 2 and q.input[2] else TensorProto.UINT8
+    return s, z, dt
+
+
+def _same_q(g: Graph, a, b) -> bool:
+    sa, za, ta = _qparams(g, a)
+    sb, zb, tb = _qparams(g, b)
+    if sa is None or sb is None or ta != tb:
+        return False
+    if attr(a, "axis", 1) != attr(b, "axis", 1) or sa.shape != sb.shape or not np.array_equal(sa, sb):
+        return False
+    if (za is None) != (zb is None):
+        return False
+    return za is None or (za.shape == zb.shape and np.array_equal(za.astype(np.int64), zb.astype(np.int64)))
+
+
+def dedupe_quantizers(g: Graph) -> int:
+    """Several identical QuantizeLinear (same input, same params) -> one."""
+    merged = 0
+    cons = g.consumers()
+    dropped: set[int] = set()
+    for name, users in cons.items():
+        qs = [u for u in users if u.op_type == "QuantizeLinear" and u.input[0] == name]
+        for i, a in enumerate(qs):
+            if id(a) in dropped:
+                continue
+            for b in qs[i + 1:]:
+                if id(b) not in dropped and _same_q(g, a, b) and b.output[0] not in g.graph_outputs:
+                    g.replace_uses(b.output[0], a.output[0])
+                    dropped.add(id(b))
+                    merged += 1
+    g.nodes = [n for n in g.nodes if id(n) not in dropped]
+    return merged
+
+
+def hoist_quantizers(g: Graph, relu_to_unsigned: bool) -> int:
+    """Quantize the output of a Conv/Gemm/Add where its only reader is a chain of ops that commute with
+    fake quantization (ReLU, MaxPool, reshapes) ending in a QuantizeLinear.
+
+    ``P -> f -> Q -> DQ`` becomes ``P -> Q -> DQ -> f -> Q -> DQ``: exact (``f`` of a value on the grid is
+    on the grid), and it gives onnxruntime ``DQ -> P -> Q`` (QLinearConv, QLinearAdd ...) and
+    ``DQ -> f -> Q`` (f in int8). With ``relu_to_unsigned`` the Q after a ReLU that reads a signed,
+    zero-point-0 DQ becomes uint8 with the same scale (exact: the values are in [0, 127] steps), so
+    onnxruntime drops the ReLU.
+    """
+    moved = 0
+    for _ in range(64):
+        prod, cons = g.producers(), g.consumers()
+        did = False
+        for f in list(g.nodes):
+            if not commutes(f.op_type) or f.domain not in ("", "ai.onnx"):
+                continue
+            t = f.output[0]
+            users = cons.get(t, [])
+            if not users or t in g.graph_outputs or any(u.op_type != "QuantizeLinear" for u in users):
+                continue
+            q = users[0]
+            if any(not _same_q(g, q, u) for u in users[1:]):
+                continue
+            s, z, dt = _qparams(g, q)
+            if s is None or s.ndim != 0:
+                continue
+            u_in = f.input[0]
+            p = prod.get(u_in)
+            if p is None or u_in in g.graph_outputs or len(cons.get(u_in, [])) != 1:
+                continue
+            if not (produces(p.op_type) or commutes(p.op_type)):
+                continue
+            if p.op_type == "DequantizeLinear":
+                continue
+            # insert Q/DQ between p and f
+            q_out = g.fresh(f"{q.name}_hoisted_q")
+            dq_out = g.fresh(f"{q.name}_hoisted_dq")
+            new_q = g.make_node("QuantizeLinear", [u_in, q.input[1], q.input[2]], [q_out], hint=f"{q.name}_hoisted",
+                                like=q)
+            new_dq = g.make_node("DequantizeLinear", [q_out, q.input[1], q.input[2]], [dq_out],
+                                 hint=f"{q.name}_hoisted_dq", like=q)
+            f.input[0] = dq_out
+            idx = g.nodes.index(f)
+            g.nodes[idx:idx] = [new_q, new_dq]
+            moved += 1
+            did = True
+            break
+        if not did:
+            break
+    if relu_to_unsigned:
+        _relu_unsigned(g)
+    return moved
+
+
+def _relu_unsigned(g: Graph) -> None:
+    """``DQ(q) -> ReLU -> Q`` with the same signed grid -> ``Max(q, zero_point)`` on the integers.
+
+    ReLU of a value on a grid whose zero is the zero point is that grid's ``max(q, zp)``, so this is
+    exact; onnxruntime then runs one 1-byte elementwise op between two fused INT8 kernels instead of
+    dequantize, float ReLU and quantize.
+    """
+    prod, cons = g.producers(), g.consumers()
+    drop: set[int] = set()
+    for r in list(g.nodes):
+        if r.op_type != "Relu":
+            continue
+        dq = prod.get(r.input[0])
+        users = cons.get(r.output[0], [])
+        if dq is None or dq.op_type != "DequantizeLinear" or not users or r.output[0] in g.graph_outputs:
+            continue
+        if len(cons.get(dq.output[0], [])) != 1 or any(u.op_type != "QuantizeLinear" for u in users):
+            continue
+        s_in, z_in, t_in = _qparams(g, dq)
+        if z_in is None or s_in is None or s_in.ndim != 0 or not _signed_grid(t_in, z_in):
+            continue
+        if any(o in g.graph_outputs for u in users for o in u.output):
+            continue
+        ok = True
+        for q in users:
+            s, z, t = _qparams(g, q)
+            if s is None or z is None or t != t_in or s.shape != s_in.shape or not np.array_equal(s, s_in) or \
+                    not np.array_equal(z, z_in):
+                ok = False
+        if not ok:
+            continue
+        mx = g.make_node("Max", [dq.input[0], dq.input[2]], hint="relu_int", like=r)
+        for q in users:
+            g.replace_uses(q.output[0], mx.output[0])
+            drop.add(id(q))
+        drop.update((id(dq), id(r)))
+        g.nodes.insert(g.nodes.index(r), mx)
+    g.nodes = [n for n in g.nodes if id(n) not in drop]
+
+
+def _signed_grid(t, z) -> bool:
+    """int8 with zero point 0, or its uint8 twin with zero point 128 (same grid, same range)."""
+    if t == TensorProto.INT8:
+        return bool(np.all(z == 0))
+    if t == TensorProto.UINT8:
+        return bool(np.all(z == 128))
+    return False
+
+
+# =========================================================================== onnxruntime-friendly details
+def quantize_bias(g: Graph) -> int:
+    """Float bias of a Conv/Gemm whose input and weight come from DequantizeLinear -> int32 bias + DQ.
+
+    ``bias_q = round(bias / (s_input * s_weight))`` with scale ``s_input * s_weight`` (per output channel):
+    what onnxruntime's QLinearConv/QGemm (and TensorRT) take. The rounding error is at most half of
+    ``s_input * s_weight``, far below one output quantization step.
+    """
+    prod = g.producers()
+    done = 0
+    for n in list(g.nodes):
+        if n.op_type not in ("Conv", "Gemm") or len(n.input) < 3 or not n.input[2]:
+            continue
+        b = g.const(n.input[2])
+        if b is None or b.dtype != np.float32 or b.ndim != 1:
+            continue
+        dq_a, dq_w = prod.get(n.input[0]), prod.get(n.input[1])
+        if dq_a is None or dq_w is None or dq_a.op_type != "DequantizeLinear" or dq_w.op_type != "DequantizeLinear":
+            continue
+        if attr(dq_w, "block_size", 0):
+            continue
+        sa, sw = g.const(dq_a.input[1]), g.const(dq_w.input[1])
+        wq = g.const(dq_w.input[0])
+        if sa is None or sw is None or wq is None or sa.ndim != 0 or wq.dtype not in (np.int8, np.uint8):
+            continue
+        if n.op_type == "Conv":
+            out_axis = 0
+        else:
+            if float(attr(n, "alpha", 1.0)) != 1.0 or float(attr(n, "beta", 1.0)) != 1.0:
+                continue
+            out_axis = 0 if attr(n, "transB", 0) else 1
+        if sw.ndim == 1 and attr(dq_w, "axis", 1) % wq.ndim != out_axis:
+            continue
+        nb = b.shape[0]
+        s = (sa.astype(np.float64) * np.broadcast_to(sw.astype(np.float64), (nb,))).astype(np.float32)
+        if np.any(s <= 0):
+            continue
+        q = np.round(b.astype(np.float64) / s.astype(np.float64))
+        if np.any(np.abs(q) > 2**31 - 1):
+            continue
+        qn = g.add_const(n.input[2] + "_int32", q.astype(np.int32))
+        sn = g.add_const(n.input[2] + "_scale", s)
+        zn = g.add_const(n.input[2] + "_zero_point", np.zeros((nb,), dtype=np.int32))
+        out = g.fresh(n.input[2] + "_dq")
+        g.nodes.insert(g.nodes.index(n), g.make_node("DequantizeLinear", [qn, sn, zn], [out], hint="bias_dq", like=n,
+                                                     axis=0))
+        n.input[2] = out
+        done += 1
+    return done
+
+
+def global_pools(g: Graph, ranks: dict[str, int]) -> int:
+    """``ReduceMean`` over all spatial axes with keepdims -> ``GlobalAveragePool`` (quantized pooling in ORT)."""
+    done = 0
+    for k, n in enumerate(g.nodes):
+        if n.op_type != "ReduceMean" or not attr(n, "keepdims", 1):
+            continue
+        r = ranks.get(n.input[0], -1)
+        if r < 3:
+            continue
+        axes = attr(n, "axes")
+        if axes is None and len(n.input) > 1 and n.input[1]:
+            a = g.const(n.input[1])
+            axes = None if a is None else a.tolist()
+        if axes is None:
+            continue
+        if sorted(a % r for a in axes) != list(range(2, r)):
+            continue
+        g.nodes[k] = g.make_node("GlobalAveragePool", [n.input[0]], list(n.output), hint="GlobalAveragePool", like=n)
+        done += 1
+    return done
+
+
+def split_shared_producers(g: Graph, max_copies: int = 4) -> int:
+    """Give each distinct quantizer of a tensor its own copy of the (cheap) producer chain.
+
+    A tensor read by several quantizers with different scales (e.g. a ReLU output that feeds the next
+    conv's input quantizer and a residual add's quantizer) cannot be the output of one fused INT8 kernel.
+    ``P -> [ReLU, MaxPool ...] -> {Q_a, Q_b}`` becomes ``P -> ... -> Q_a`` and ``P' -> ... -> Q_b`` with
+    ``P'`` a copy of ``P`` (same inputs and weights): exact, and each copy fuses into QLinearConv/QLinearAdd.
+    """
+    done = 0
+    prod, cons = g.producers(), g.consumers()
+    for f in list(g.nodes):
+        if not commutes(f.op_type) or f.domain not in ("", "ai.onnx"):
+            continue
+        t = f.output[0]
+        users = cons.get(t, [])
+        if len(users) < 2 or t in g.graph_outputs or any(u.op_type != "QuantizeLinear" for u in users):
+            continue
+        groups: list[list] = []
+        for u in users:
+            for grp in groups:
+                if _same_q(g, grp[0], u):
+                    grp.append(u)
+                    break
+            else:
+                groups.append([u])
+        if len(groups) < 2 or len(groups) > max_copies:
+            continue
+        # the chain back to a compute node, every link with a single reader
+        chain = [f]
+        cur = f
+        while True:
+            p = prod.get(cur.input[0])
+            if p is None or cur.input[0] in g.graph_outputs or len(cons.get(cur.input[0], [])) != 1:
+                chain = []
+                break
+            chain.insert(0, p)
+            if produces(p.op_type):
+                break
+            if not commutes(p.op_type):
+                chain = []
+                break
+            cur = p
+        if not chain or chain[0].op_type == "Concat":
+            continue
+        for grp in groups[1:]:
+            prev_out = None
+            clones = []
+            for node in chain:
+                c = onnx.NodeProto()
+                c.CopyFrom(node)
+                c.name = g.fresh(node.name + "_copy")
+                if prev_out is not None:
+                    c.input[0] = prev_out
+                c.output[0] = g.fresh(node.output[0] + "_copy")
+                for k in range(1, len(c.output)):
+                    c.output[k] = ""
+                prev_out = c.output[0]
+                clones.append(c)
+            for q in grp:
+                q.input[0] = prev_out
+            # the copy gets its own DequantizeLinear inputs (onnxruntime fuses a DQ into one node only)
+            dqs = []
+            head = clones[0]
+            for k, i in enumerate(head.input):
+                p = prod.get(i)
+                if p is not None and p.op_type == "DequantizeLinear":
+                    d = onnx.NodeProto()
+                    d.CopyFrom(p)
+                    d.name = g.fresh(p.name + "_copy")
+                    d.output[0] = g.fresh(p.output[0] + "_copy")
+                    head.input[k] = d.output[0]
+                    dqs.append(d)
+            idx = g.nodes.index(chain[-1]) + 1
+            g.nodes[idx:idx] = dqs + clones
+            done += 1
+        prod, cons = g.producers(), g.consumers()
+    return done
+
+
