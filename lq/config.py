@@ -354,8 +354,11 @@ class ExportConfig:
         verify: run the exported model in onnxruntime on a sample batch and compare with PyTorch.
         tolerance: largest allowed max-abs difference between onnxruntime and PyTorch outputs
             (None: 5% of the largest output magnitude).
-        target: ``onnxruntime`` (uint8 activations, int8 weights: what its QLinear kernels fuse) or
-            ``tensorrt`` (int8 zero-point-0 Q/DQ everywhere, as TensorRT expects).
+        target: ``onnxruntime`` (uint8 activations, 8-bit weights: what its QLinear kernels fuse, encoded so
+            no CPU's int16 intermediates saturate) or ``tensorrt`` (int8 zero-point-0 Q/DQ everywhere, as
+            TensorRT expects).
+        dynamic_spatial: make the inputs' spatial dims (H, W) dynamic as well as the batch, for fully
+            convolutional models run on several sizes (image pyramids); verified on a second size.
     """
 
     enabled: bool = True
@@ -366,6 +369,7 @@ class ExportConfig:
     verify: bool = True
     tolerance: Optional[float] = None
     target: str = "onnxruntime"
+    dynamic_spatial: bool = False
 
     def __post_init__(self):
         owner = type(self).__name__

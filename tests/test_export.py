@@ -409,3 +409,59 @@ def test_static_block_weights_export_as_blocked_dequantize(tmp_path, dynamo):
     inits = _init(path)
     assert inits[dq.input[0]].shape == (8, 32) and inits[dq.input[0]].dtype == np.int8
     assert inits[dq.input[1]].shape == (8, 2) and _attr(dq, "axis") == 1 and _attr(dq, "block_size") == 16
+
+
+# =========================================================================== shapes
+def _pnet():
+    """A fully convolutional face-proposal net shaped like MTCNN's PNet (PReLU, ceil-mode max pool)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 10, 3), nn.PReLU(10), nn.MaxPool2d(2, 2, ceil_mode=True), nn.Conv2d(10, 16, 3),
+                      nn.PReLU(16), nn.Conv2d(16, 32, 3), nn.PReLU(32), nn.Conv2d(32, 2, 1))
+    with torch.no_grad():
+        for p in m.modules():
+            if isinstance(p, nn.PReLU):
+                p.weight.copy_(torch.linspace(-0.3, 0.5, p.weight.numel()))
+    from lq.calibration import calibrate_model
+    from lq.convert import quantize_model
+
+    quantize_model(m)
+    m.eval()
+    with torch.no_grad():
+        calibrate_model(m, [torch.randn(4, 3, 24, 24) for _ in range(2)], method="max")
+    return m
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_dynamic_spatial_dims_run_on_other_sizes(tmp_path, dynamo):
+    model = _pnet()
+    path = str(tmp_path / "pnet.onnx")
+    res = export_onnx(model, torch.randn(2, 3, 24, 24), path, dynamo=dynamo, dynamic_spatial=True)
+    s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    assert [d if isinstance(d, int) else "sym" for d in s.get_inputs()[0].shape] == ["sym", 3, "sym", "sym"]
+    for hw in ((24, 24), (37, 51), (12, 16)):
+        x = torch.randn(3, 3, *hw)
+        out, ref = _run(path, x), _ref(model, x)
+        assert out.shape == ref.shape
+        # no int32 bias where a conv stays float (its output feeds PReLU): equal up to a rare rounding flip
+        assert np.abs(out - ref).max() <= 0.01 * np.abs(ref).max()
+    assert res.max_abs_diff <= 1e-5
+
+
+def test_static_spatial_by_default_and_a_clear_error_for_fixed_size_models(tmp_path):
+    path = str(tmp_path / "pnet_static.onnx")
+    export_onnx(_pnet(), torch.randn(2, 3, 24, 24), path)
+    assert ort.InferenceSession(path, providers=["CPUExecutionProvider"]).get_inputs()[0].shape[2:] == [24, 24]
+    with pytest.raises(ExportError, match="fixes its spatial size.*dynamic_spatial=False"):
+        export_onnx(_net(), _sample(), tmp_path / "fixed.onnx", dynamic_spatial=True)
+
+
+def test_channels_last_sample_exports(tmp_path):
+    # what F.interpolate returns for a channels_last input, and what many data pipelines hand over
+    model = _pnet()
+    x = torch.nn.functional.interpolate(torch.randn(2, 3, 48, 48).contiguous(memory_format=torch.channels_last),
+                                        scale_factor=0.5)
+    assert x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    path = str(tmp_path / "cl.onnx")
+    res = export_onnx(model, x, path)
+    assert res.max_abs_diff <= 1e-5
+    assert np.abs(_run(path, x.contiguous()) - _ref(model, x)).max() <= 1e-5

@@ -174,3 +174,54 @@ def test_smallest_mlp_exports_right_with_fusions_on(tmp_path):
     assert np.abs(outs[0] - outs[1]).max() <= 0.01 * big
     assert np.abs(outs[0] - ref).max() <= 0.01 * big
     assert res.max_abs_diff <= res.tolerance
+
+
+class _DigitsTransformer(nn.Module):
+    """The rows of a digits image as 8 tokens: embedding, nn.MultiheadAttention, LayerNorm, GELU MLP."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.emb = nn.Linear(8, d)
+        self.attn = nn.MultiheadAttention(d, 4, batch_first=True)
+        self.ln = nn.LayerNorm(d)
+        self.ff = nn.Sequential(nn.Linear(d, 64), nn.GELU(), nn.Linear(64, d))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        h = self.emb(x)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        h = self.ln(h + a)
+        h = h + self.ff(h)
+        return self.head(h.mean(1))
+
+
+@pytest.fixture(scope="module")
+def digits_transformer():
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.images / 16.0, dtype=torch.float32)
+    y = torch.tensor(d.target)
+    torch.manual_seed(0)
+    model = _DigitsTransformer()
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    for _ in range(40):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[:1400]), y[:1400]).backward()
+        opt.step()
+    model = _calibrated(model, [x[i:i + 64] for i in range(0, 512, 64)])
+    return model, x[1400:1464]
+
+
+@pytest.mark.parametrize("target", ["onnxruntime", "tensorrt"])
+def test_multihead_attention_transformer_exports_right_for_both_targets(tmp_path, digits_transformer, target):
+    model, sample = digits_transformer
+    path = str(tmp_path / f"mha_{target}.onnx")
+    res = export_onnx(model, sample, path, target=target)
+    assert res.max_abs_diff <= 0.01 * float(np.abs(model(sample).detach()).max())
+    risks = int16_risks(onnx.load(path))
+    if target == "onnxruntime":
+        assert risks == [] and res.int8_kernels.get("QLinearMatMul", 0) >= 1  # the attention matmul is integer
+    else:
+        # int8 zero-point-0 everywhere (TensorRT); onnxruntime's CPU kernels could saturate on it, and it says so
+        assert risks and any("would saturate in onnxruntime" in w for w in res.warnings)

@@ -95,7 +95,7 @@ class QuantExport(L.Callback):
             sample = sample.to(pl_module.device) if isinstance(sample, torch.Tensor) else sample
             result = export_onnx(
                 pl_module, sample, path, opset=e.opset, dynamo=e.exporter == "dynamo", fold_bn=e.fold_bn,
-                verify=e.verify, tolerance=e.tolerance, target=e.target,
+                verify=e.verify, tolerance=e.tolerance, target=e.target, dynamic_spatial=e.dynamic_spatial,
             )
         except Exception as err:
             where = f" The trained weights are safe in {ckpt}." if ckpt else ""

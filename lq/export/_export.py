@@ -193,6 +193,18 @@ def _flatten_out(out) -> list[torch.Tensor]:
     raise TypeError(f"model output of type {type(out).__name__} is not supported (tensors, tuples, dicts)")
 
 
+def _grown_spatially(args: tuple) -> tuple:
+    """The sample at twice its spatial size (each spatial dim concatenated with itself): a second shape that
+    a model with dynamic H and W must run on, with the same value distribution."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() >= 3:
+            for d in range(2, a.dim()):
+                a = torch.cat([a, a], dim=d)
+        out.append(a)
+    return tuple(out)
+
+
 def _choose_opset(opset, model_has_fp8: bool) -> int:
     if opset is None:
         return 19 if model_has_fp8 else 17
@@ -209,12 +221,27 @@ def _model_has_fp8(model) -> bool:
     return False
 
 
-def _export_dynamo(model, args, opset, input_names, output_names, dynamic_batch) -> onnx.ModelProto:
+def _dynamic_dims(a, dynamic_batch: bool, dynamic_spatial: bool) -> dict[int, str]:
+    """``{axis: name}`` of the dynamic axes of one input: dim 0 (batch), dims 2.. of an image-like input."""
+    dims: dict[int, str] = {}
+    if not isinstance(a, torch.Tensor) or a.dim() == 0:
+        return dims
+    if dynamic_batch:
+        dims[0] = "batch"
+    if dynamic_spatial and a.dim() >= 3:
+        for d in range(2, a.dim()):
+            dims[d] = ("height", "width")[d - 2] if a.dim() == 4 else f"dim{d}"
+    return dims
+
+
+def _export_dynamo(model, args, opset, input_names, output_names, dims) -> onnx.ModelProto:
     table = _symbolic.translation_table()
     kw: dict[str, Any] = {}
-    if dynamic_batch:
-        batch = torch.export.Dim("batch", min=1)
-        kw["dynamic_shapes"] = tuple({0: batch} if a.dim() > 0 else None for a in args)
+    if any(dims):
+        shared: dict[str, Any] = {}
+        kw["dynamic_shapes"] = tuple(
+            {ax: shared.setdefault(nm, torch.export.Dim(nm, min=1 if ax == 0 else 2)) for ax, nm in d.items()} or None
+            for d in dims)
     with warnings.catch_warnings(), _quiet_torch_onnx():
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(model, args, dynamo=True, opset_version=max(opset, 18),
@@ -224,11 +251,14 @@ def _export_dynamo(model, args, opset, input_names, output_names, dynamic_batch)
     return m
 
 
-def _export_legacy(model, args, opset, input_names, output_names, dynamic_batch) -> onnx.ModelProto:
+def _export_legacy(model, args, opset, input_names, output_names, dims) -> onnx.ModelProto:
     _symbolic.register_legacy_symbolics()
     kw: dict[str, Any] = {}
-    if dynamic_batch:
-        kw["dynamic_axes"] = {n: {0: "batch"} for n in list(input_names) + list(output_names)}
+    if any(dims):
+        axes = {n: d for n, d in zip(input_names, dims) if d}
+        if any(0 in d for d in dims):
+            axes.update({n: {0: "batch"} for n in output_names})
+        kw["dynamic_axes"] = axes
     buf = io.BytesIO()
     with warnings.catch_warnings(), _quiet_torch_onnx():
         warnings.simplefilter("ignore")
@@ -305,6 +335,7 @@ def export_onnx(
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
     dynamic_batch: bool = True,
+    dynamic_spatial: bool = False,
     target: str = "onnxruntime",
     weight_format: str | None = None,
     providers: Sequence[str] | None = None,
@@ -335,6 +366,9 @@ def export_onnx(
             (a few quantization steps of the last layer).
         input_names, output_names: graph input/output names (default ``input``, ``output``).
         dynamic_batch: make dim 0 of inputs and outputs dynamic.
+        dynamic_spatial: also make the spatial dims (H, W, ...: every dim after the channels of an input of
+            rank >= 3) dynamic, for fully convolutional models run on several sizes (image pyramids). A model
+            that fixes its spatial size (flatten -> Linear) cannot, and the error says so.
         target: "onnxruntime" (Q/DQ placed for onnxruntime's QLinear* fusions; uint8 after ReLU) or
             "tensorrt" (int8 with zero point 0 everywhere, as TensorRT requires).
         weight_format: "int8" (quantized weights stored as int8 initializers + DequantizeLinear;
@@ -395,6 +429,17 @@ def export_onnx(
         p.requires_grad_(False)
     with torch.no_grad(), _export_mode(work):
         ref_out = [o.detach().float().numpy() for o in _flatten_out(work(*args))]
+    cases = [(args, ref_out)]  # (inputs, PyTorch outputs) that verification compares onnxruntime with
+    if dynamic_spatial:
+        grown = _grown_spatially(args)
+        try:
+            with torch.no_grad(), _export_mode(work):
+                cases.append((grown, [o.detach().float().numpy() for o in _flatten_out(work(*grown))]))
+        except Exception as e:
+            raise ExportError(
+                f"dynamic_spatial=True, but the model does not run on an input twice the sample's spatial size "
+                f"({type(e).__name__}: {_short(e, 300)}): it fixes its spatial size (e.g. flatten -> Linear); "
+                "export with dynamic_spatial=False") from e
     n_in = len([a for a in args if isinstance(a, torch.Tensor)])
     input_names = list(input_names) if input_names else (
         ["input"] if n_in == 1 else [f"input_{i}" for i in range(n_in)])
@@ -402,12 +447,13 @@ def export_onnx(
         ["output"] if len(ref_out) == 1 else [f"output_{i}" for i in range(len(ref_out))])
 
     exporter = "dynamo" if dynamo else "legacy"
+    dims = [_dynamic_dims(a, dynamic_batch, dynamic_spatial) for a in args if isinstance(a, torch.Tensor)]
     try:
         with torch.no_grad(), _export_mode(work):
             if dynamo:
-                proto = _export_dynamo(work, args, opset, input_names, output_names, dynamic_batch)
+                proto = _export_dynamo(work, args, opset, input_names, output_names, dims)
             else:
-                proto = _export_legacy(work, args, opset, input_names, output_names, dynamic_batch)
+                proto = _export_legacy(work, args, opset, input_names, output_names, dims)
     except ExportError:
         raise
     except Exception as e:
@@ -447,13 +493,13 @@ def export_onnx(
         proto = g.finalize()
     layer_of = {n.name: layer_name(n) for n in proto.graph.node}
     unfused = _kernel_report.unfused_layers(proto, layer_of) if target == "onnxruntime" else []
+    risks = _int16.int16_risks(proto)  # before the metadata goes: it names the layers
     if not keep_metadata:
         _finish.strip_metadata(proto)
     _finish.remove_placeholder_opset(proto)
     proto, opset = _set_opset(proto, opset, notes)
     if any(n.domain == _symbolic.DOMAIN for n in proto.graph.node):  # pragma: no cover - defensive
         raise ExportError("internal error: an lq placeholder was left in the graph")
-    risks = _int16.int16_risks(proto)
     if target == "onnxruntime" and risks:  # pragma: no cover - encode_int16_safe leaves none
         raise ExportError("internal error: integer kernels that can saturate int16 remain: "
                           + "; ".join(map(str, risks)))
@@ -479,15 +525,18 @@ def export_onnx(
     max_diff = tol = None
     ort_ops: Counter = Counter()
     if verify:
-        try:
-            sess = _verify.make_session(data, providers, graph_optimization_level=_verify.verify_level(target))
-            ort_out = _verify.run(sess, [a.numpy() for a in args if isinstance(a, torch.Tensor)])
-        except Exception as e:
-            _save_unverified(proto, path)
-            raise ExportError(f"onnxruntime could not run the exported model: {_short(e)} "
-                              f"(saved as {_unverified(path)} for inspection)") from e
-        max_diff = _verify.max_abs_diff(ort_out, ref_out)
-        ref_max = max((float(np.abs(r).max()) for r in ref_out if r.size), default=0.0)
+        max_diff, ref_max = 0.0, 0.0
+        for inputs, refs in cases:
+            try:
+                sess = _verify.make_session(data, providers, graph_optimization_level=_verify.verify_level(target))
+                ort_out = _verify.run(sess, [a.numpy() for a in inputs if isinstance(a, torch.Tensor)])
+            except Exception as e:
+                _save_unverified(proto, path)
+                shape = [tuple(a.shape) for a in inputs if isinstance(a, torch.Tensor)]
+                raise ExportError(f"onnxruntime could not run the exported model on input shape(s) {shape}: "
+                                  f"{_short(e)} (saved as {_unverified(path)} for inspection)") from e
+            max_diff = max(max_diff, _verify.max_abs_diff(ort_out, refs))
+            ref_max = max([ref_max] + [float(np.abs(r).max()) for r in refs if r.size])
         if atol is None and not rtol:
             tol = 0.05 * ref_max + 1e-6
         else:

@@ -97,7 +97,7 @@ def _risk(g: Graph, n, prod) -> tuple[Int16Risk | None, object]:
     wq = g.const(b.input[0])
     if wq is None:
         worst = 2 * ACTIVATION_CODE_MAX * 128
-        reason = "int8 x int8 activations"
+        reason = "int8 operands computed in the graph: onnxruntime shifts one to uint8, the other stays full-range"
     else:
         out_axis, _ = weight_reduction_axes(n.op_type, n, wq.ndim)
         per_ch = worst_pair_per_channel(wq, out_axis % wq.ndim)

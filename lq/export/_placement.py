@@ -159,13 +159,19 @@ def quantize_bias(g: Graph) -> int:
     """Float bias of a Conv/Gemm whose input and weight come from DequantizeLinear -> int32 bias + DQ.
 
     ``bias_q = round(bias / (s_input * s_weight))`` with scale ``s_input * s_weight`` (per output channel):
-    what onnxruntime's QLinearConv/QGemm (and TensorRT) take. The rounding error is at most half of
-    ``s_input * s_weight``, far below one output quantization step.
+    what onnxruntime's QLinearConv/QGemm take. The rounding error is at most half of ``s_input * s_weight``,
+    far below one output quantization step, yet it is not PyTorch's float bias: it is only paid where it
+    buys an integer kernel. A Conv fuses into QLinearConv only when quantizers read its output, so a Conv
+    whose output goes on in float (PReLU, GELU, a model output ...) keeps its exact float bias; a Gemm
+    fuses into QGemm with a float output too, so it always gets the int32 bias.
     """
-    prod = g.producers()
+    prod, cons = g.producers(), g.consumers()
     done = 0
     for n in list(g.nodes):
         if n.op_type not in ("Conv", "Gemm") or len(n.input) < 3 or not n.input[2]:
+            continue
+        if n.op_type == "Conv" and (n.output[0] in g.graph_outputs or not cons.get(n.output[0])
+                                    or any(u.op_type != "QuantizeLinear" for u in cons[n.output[0]])):
             continue
         b = g.const(n.input[2])
         if b is None or b.dtype != np.float32 or b.ndim != 1:
