@@ -14,6 +14,35 @@ from pathlib import Path
 from typing import Any
 
 
+def cpu_isa() -> str:
+    """The x86 integer-SIMD level onnxruntime's kernels pick from: what every speed table must name."""
+    try:
+        flags = set()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        return "unknown"
+    if "amx_int8" in flags:
+        return "AMX + AVX-512 VNNI"
+    if "avx512_vnni" in flags:
+        return "AVX-512 VNNI"
+    if "avx512bw" in flags:
+        return "AVX-512 (no VNNI)" + (" + AVX-VNNI" if "avx_vnni" in flags else "")
+    if "avx_vnni" in flags:
+        return "AVX2 + AVX-VNNI"
+    if "avx2" in flags:
+        return "AVX2 (no AVX-512, no VNNI)"
+    return "pre-AVX2"
+
+
+def has_vnni(isa: str) -> bool:
+    """Whether the CPU named by :func:`cpu_isa` accumulates u8 x s8 products in int32 (VNNI or AMX)."""
+    return "VNNI" in isa.replace("no VNNI", "") or "AMX" in isa
+
+
 def machine() -> dict:
     """What the numbers were measured on."""
     import torch
@@ -28,6 +57,7 @@ def machine() -> dict:
         pass
     info = {
         "cpu": cpu,
+        "isa": cpu_isa(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,

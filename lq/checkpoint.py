@@ -23,17 +23,57 @@ def quant_config_from_checkpoint(checkpoint: dict) -> tuple[QuantConfig, bool]:
     return cls(**meta["quant"]), bool(meta.get("learn_amax", False))
 
 
+class CheckpointError(ValueError):
+    """A file is not a checkpoint lq can read safely; the message names the file and what to do."""
+
+
+def read_checkpoint(checkpoint_path, map_location: Any = "cpu", trusted: bool = False) -> dict:
+    """Load a Lightning checkpoint without executing anything from it.
+
+    ``torch.load(..., weights_only=True)``: tensors, containers and plain values only, so a file someone
+    else made cannot run code on load (a pickle's ``__reduce__`` trick). ``trusted=True`` is the explicit
+    opt-in to full unpickling, for a file you wrote yourself that holds other Python objects.
+    """
+    import os
+    import pickle
+
+    path = os.fspath(checkpoint_path)
+    made_by = "a checkpoint is written by Trainer.save_checkpoint or ModelCheckpoint"
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such checkpoint file ({made_by})")
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f"{path} is empty, not a readable checkpoint ({made_by})")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=not trusted)
+    except pickle.UnpicklingError as e:
+        if trusted:
+            raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e}; {made_by})") from e
+        raise CheckpointError(
+            f"{path} holds Python objects beyond tensors and plain values, and lq loads checkpoints with "
+            f"weights_only=True so that no file can run code on load ({str(e).splitlines()[0][:200]}). If you "
+            "wrote this file yourself and trust it, pass trusted=True.") from e
+    except (EOFError, RuntimeError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable checkpoint: it is truncated or not a torch file "
+                              f"({type(e).__name__}: {str(e)[:200]}; {made_by})") from e
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise CheckpointError(f"{path} is a torch file but not a Lightning checkpoint (no 'state_dict'; {made_by})")
+    return ckpt
+
+
 def load_quantized(module_class, checkpoint_path: str, map_location: Any = "cpu", strict: bool = True,
-                   **kwargs) -> Any:
+                   trusted: bool = False, **kwargs) -> Any:
     """``module_class`` built from its saved hyperparameters, quantized as in training, weights and amax loaded.
 
     The one-call way to get a QAT model back for evaluation or export::
 
         model = lq.load_quantized(MyModule, "epoch=2.ckpt")
+
+    The file is read with ``weights_only=True`` (nothing in it can run code); ``trusted=True`` allows
+    full unpickling of a file you wrote yourself.
     """
     from lq.callbacks.swap import QuantSwap
 
-    ckpt = torch.load(checkpoint_path, map_location=map_location, weights_only=False)
+    ckpt = read_checkpoint(checkpoint_path, map_location, trusted)
     quant, learn_amax = quant_config_from_checkpoint(ckpt)
     hparams = dict(ckpt.get("hyper_parameters") or {})
     hparams.update(kwargs)
@@ -45,11 +85,12 @@ def load_quantized(module_class, checkpoint_path: str, map_location: Any = "cpu"
 
 
 def load_quantized_state(model: torch.nn.Module, checkpoint_path: str, map_location: Any = "cpu",
-                         strict: bool = True) -> torch.nn.Module:
-    """Quantize an already built ``model`` as the checkpoint says and load its weights and amax."""
+                         strict: bool = True, trusted: bool = False) -> torch.nn.Module:
+    """Quantize an already built ``model`` as the checkpoint says and load its weights and amax (read with
+    ``weights_only=True`` unless ``trusted``)."""
     from lq.callbacks.swap import QuantSwap
 
-    ckpt = torch.load(checkpoint_path, map_location=map_location, weights_only=False)
+    ckpt = read_checkpoint(checkpoint_path, map_location, trusted)
     quant, learn_amax = quant_config_from_checkpoint(ckpt)
     QuantSwap(quant, learn_amax=learn_amax).swap(model)
     model.load_state_dict(ckpt["state_dict"], strict=strict)

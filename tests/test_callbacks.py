@@ -102,7 +102,7 @@ def test_checkpoint_resume_reproduces_outputs_and_load_quantized(tmp_path, dm):
     model.eval()
     expected = model(x)
     path = ckpt_cb.last_model_path
-    assert "lq" in torch.load(path, weights_only=False)
+    assert "lq" in torch.load(path, weights_only=True)
 
     # 1. with the callback: swap at setup, restore amax from the checkpoint, no recalibration
     fresh = _model(seed=123)
@@ -169,7 +169,7 @@ def test_export_error_keeps_weights_and_says_what_to_fix(tmp_path, dm, monkeypat
         _trainer(tmp_path, [cb]).fit(model, datamodule=dm)
     msg = str(info.value)
     assert "unsupported operator Foo" in msg and "lq_before_export.ckpt" in msg
-    saved = torch.load(tmp_path / "lq_before_export.ckpt", weights_only=False)
+    saved = torch.load(tmp_path / "lq_before_export.ckpt", weights_only=True)
     assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
 
 

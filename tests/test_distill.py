@@ -278,7 +278,7 @@ def test_resume_keeps_the_teacher_it_started_with(tmp_path, dm):
     teacher_weight = model.stem[0].weight.detach().clone()
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     _trainer(tmp_path, [_callback(0.5), ckpt], enable_checkpointing=True).fit(model, datamodule=dm)
-    saved = torch.load(ckpt.last_model_path, weights_only=False)["callbacks"]
+    saved = torch.load(ckpt.last_model_path, weights_only=True)["callbacks"]
     (state,) = [v for k, v in saved.items() if k.startswith("QuantCallback")]
     assert torch.equal(state["QuantDistill"]["teacher"]["stem.0.weight"], teacher_weight)
 

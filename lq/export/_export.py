@@ -494,6 +494,11 @@ def export_onnx(
     layer_of = {n.name: layer_name(n) for n in proto.graph.node}
     unfused = _kernel_report.unfused_layers(proto, layer_of) if target == "onnxruntime" else []
     risks = _int16.int16_risks(proto)  # before the metadata goes: it names the layers
+    if u8_weights:
+        notes.append(f"{len(u8_weights)} layer(s) with 8-bit weights run on onnxruntime's uint8 x uint8 kernels "
+                     "(their int8 x uint8 pair sums could saturate int16 on CPUs without VNNI; the stored values "
+                     "are the same): the int8_reduce_range recipe (7-bit weights, used in calibration and QAT too) "
+                     "keeps the faster uint8 x int8 kernels on every CPU")
     if not keep_metadata:
         _finish.strip_metadata(proto)
     _finish.remove_placeholder_opset(proto)
