@@ -15,6 +15,7 @@ skips the extension on purpose (no warning). Prebuild with ``lq-build-ext``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -99,7 +100,7 @@ def _build_name(sources: list[str], flags) -> str:
             h.update(p.read_bytes())
     h.update(torch.__version__.encode())
     h.update(repr(flags).encode())
-    h.update(repr(sources).encode())
+    h.update(repr(sorted(os.path.basename(x) for x in sources)).encode())  # content, not where the clone is
     h.update(sys.version.encode())
     return "lq_C_" + h.hexdigest()[:12]
 
@@ -122,18 +123,50 @@ def build(verbose: bool = False) -> str:
     name = _build_name(cpp + cuda, (cflags, cuda_flags, ldflags))
     build_dir = cache_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=name,
-        sources=cpp + cuda,
-        extra_cflags=cflags + (["-DLQ_WITH_CUDA"] if cuda else []),
-        extra_cuda_cflags=cuda_flags,
-        extra_ldflags=ldflags,
-        extra_include_paths=[str(source_dir())],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=verbose,
-    )
-    return str(build_dir / f"{name}.so")
+    lib = build_dir / f"{name}.so"
+    with _build_lock(build_dir):
+        if not lib.exists():
+            print(f"lq: building the C++ kernels once (about 2 minutes; cached in {build_dir}; "
+                  "LQ_DISABLE_EXT=1 skips them and uses the pure-PyTorch reference) ...", file=sys.stderr, flush=True)
+        cpp_extension.load(
+            name=name,
+            sources=cpp + cuda,
+            extra_cflags=cflags + (["-DLQ_WITH_CUDA"] if cuda else []),
+            extra_cuda_cflags=cuda_flags,
+            extra_ldflags=ldflags,
+            extra_include_paths=[str(source_dir())],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    return str(lib)
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """One builder per cache folder, with a lock the OS releases when its holder dies.
+
+    torch's own build lock is a plain file that a killed build (Ctrl-C, ``kill -9``, a CI timeout, OOM)
+    leaves behind, and every later build then waits on it forever. Here an ``flock`` on a file of our own
+    serializes builders; whoever holds it knows no live lq process is building, so a leftover torch lock
+    file is stale and is removed before building.
+    """
+    import fcntl
+
+    with open(build_dir / ".lq-build.lock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"lq: waiting for another process that is building the C++ kernels in {build_dir} ...",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                stale.unlink()
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def load() -> bool:

@@ -1,0 +1,64 @@
+"""The C++ build: an interrupted build never blocks the next import, and the cache key is the content."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lq import _ext
+
+pytestmark = pytest.mark.skipif(_ext.disabled(), reason="LQ_DISABLE_EXT is set")
+
+
+def _current_build_dir():
+    cpp, cuda = _ext._sources()
+    return _ext.cache_root() / _ext._build_name(cpp + cuda, _ext.build_flags())
+
+
+def test_stale_torch_lock_of_a_killed_build_does_not_block_loading(tmp_path):
+    """A build killed mid-way leaves torch's lock file behind; before, every later import waited forever."""
+    build_dir = _current_build_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    (build_dir / "lock").write_text("")  # what kill -9 of a building process leaves
+    code = "import lq._ops, lq._ext; print('loaded', lq._ext.load())"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "loaded True" in p.stdout
+    assert not (build_dir / "lock").exists()
+
+
+def test_build_lock_is_released_when_its_holder_dies(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, pathlib; from lq import _ext\n"
+        f"with _ext._build_lock(pathlib.Path({str(tmp_path)!r})):\n"
+        "    print('holding', flush=True); time.sleep(600)")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "holding"
+    waiter = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib; from lq import _ext\n"
+        f"with _ext._build_lock(pathlib.Path({str(tmp_path)!r})):\n"
+        "    print('acquired', flush=True)")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said = waiter.stderr.readline()  # a live builder holds the lock: the other one says it waits ...
+    assert "waiting for another process that is building the C++ kernels" in said
+    time.sleep(0.5)
+    assert waiter.poll() is None
+    os.kill(holder.pid, signal.SIGKILL)  # ... until the builder dies, like an interrupted build
+    holder.wait()
+    out, _ = waiter.communicate(timeout=60)
+    assert "acquired" in out
+
+
+def test_cache_key_is_the_sources_content_not_the_clone_path(tmp_path):
+    src = _ext.source_dir()
+    copy = tmp_path / "clone" / "csrc"
+    shutil.copytree(src, copy)
+    cpp = sorted(str(p) for p in src.glob("*.cpp"))
+    cpp_copy = sorted(str(p) for p in copy.glob("*.cpp"))
+    flags = _ext.build_flags()
+    assert _ext._build_name(cpp, flags) == _ext._build_name(cpp_copy, flags)
+    assert _ext._build_name(cpp, flags) != _ext._build_name(cpp, (flags[0] + ["-DX"],) + flags[1:])
