@@ -434,3 +434,15 @@ def test_heavy_clipping_is_reported_by_name():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         calibrate_model(model, [spiky], method="max")  # max never clips: no warning
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_lower_precision_calibrates_trains_and_exports(tmp_path, dm, precision):
+    """Calibration runs its batches through the precision plugin, as training does (bf16-true failed with a
+    float input against bf16 weights)."""
+    model = _model()
+    cb = lq.QuantCallback(verbose=False)
+    _trainer(tmp_path, [cb], precision=precision).fit(model, datamodule=dm)
+    amax = _amax(model)
+    assert amax and all(torch.isfinite(a.float()).all() and (a > 0).all() for a in amax.values())
+    assert cb.exporter.result is not None and cb.exporter.result.max_abs_diff <= cb.exporter.result.tolerance

@@ -63,9 +63,13 @@ class QuantCalibrate(L.Callback):
         """Calibrate ``pl_module`` on ``loader`` now (batches moved with the strategy's device hooks)."""
         c = self.calib
 
+        plugin = trainer.strategy.precision_plugin
+
         def fwd(module, batch):
-            batch = trainer.strategy.batch_to_device(batch)
-            return self.forward(module, batch)
+            # the same device move, input conversion (bf16-true, 16-true ...) and autocast as a training step
+            batch = plugin.convert_input(trainer.strategy.batch_to_device(batch))
+            with plugin.forward_context():
+                return self.forward(module, batch)
 
         self.last_amax = calibration.calibrate_model(
             pl_module,
