@@ -145,6 +145,17 @@ def collect(
     return seen
 
 
+def global_count(n: int, process_group=None) -> int:
+    """``n`` summed over the processes of ``process_group`` (``n`` itself without torch.distributed)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return n
+    from lq.calib.calibrator import _comm_device
+
+    t = torch.tensor([n], dtype=torch.int64, device=_comm_device(None, process_group))
+    torch.distributed.all_reduce(t, group=process_group)
+    return int(t.item())
+
+
 def sync(quantizers: list[tuple[str, TensorQuantizer]], process_group=None) -> None:
     """Reduce every calibrator's statistics across processes (no-op without torch.distributed)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -246,7 +257,9 @@ def calibrate_model(
     methods = methods_for(quantizers, method, weight_method, method_overrides)
     seen = collect(model, batches, quantizers, methods, num_batches=num_batches, forward=forward,
                    num_bins=num_bins, progress=progress)
-    if seen == 0:
+    # a rank whose shard is empty still joins the reduction below (an empty contribution): deciding on the
+    # global count keeps every rank on the same path, where a local raise would leave the others hanging
+    if global_count(seen, process_group) == 0:
         raise CalibrationError(
             "the calibration dataloader produced no batches: give a non-empty dataloader "
             "(or calib.dataloader='train'/'val' pointing at one that has data)"

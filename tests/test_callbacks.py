@@ -322,7 +322,7 @@ def test_ptq_only_through_validate(tmp_path, dm):
     assert all(q.amax is not None for _, q in iter_quantizers(model) if q.is_enabled)
 
 
-def _ddp_worker(rank, world, port, out_dir):
+def _ddp_worker(rank, world, port, out_dir, empty_rank=-1, method="entropy"):
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -332,7 +332,9 @@ def _ddp_worker(rank, world, port, out_dir):
     lq.QuantSwap().swap(model)
     x, _ = DigitsDataModule().arrays("train")
     shard = x[rank::world] * (1.0 + rank)  # different data per rank, different ranges
-    calibrate_model(model, torch.utils.data.DataLoader(shard, batch_size=64), method="entropy", num_bins=256)
+    if rank == empty_rank:
+        shard = shard[:0]  # this rank's loader yields no batch at all
+    calibrate_model(model, torch.utils.data.DataLoader(shard, batch_size=64), method=method, num_bins=256)
     torch.save(_amax(model), os.path.join(out_dir, f"amax{rank}.pt"))
     dist.destroy_process_group()
 
@@ -355,6 +357,30 @@ def test_ddp_two_processes_agree_on_global_amax(tmp_path):
     calibrate_model(model, torch.utils.data.DataLoader(both, batch_size=64), method="entropy", num_bins=256)
     single = _amax(model)
     assert single["stem.0._input_quantizer"].item() > 1.0  # rank 1's doubled range reached everybody
+    for k in single:
+        torch.testing.assert_close(a0[k], single[k], rtol=1e-5, atol=1e-6)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("method", ["max", "entropy"])
+def test_ddp_rank_without_calibration_batches_joins_the_sync(tmp_path, method):
+    """Rank 1's loader is empty: it contributes nothing, and both ranks end with rank 0's amax (it used to
+    raise before the sync and kill the other rank)."""
+    torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path), 1, method), nprocs=2, join=True)
+    a0, a1 = torch.load(tmp_path / "amax0.pt"), torch.load(tmp_path / "amax1.pt")
+    assert a0.keys() == a1.keys() and all(torch.equal(a0[k], a1[k]) for k in a0)
+    x, _ = DigitsDataModule().arrays("train")
+    model = _model()
+    lq.QuantSwap().swap(model)
+    calibrate_model(model, torch.utils.data.DataLoader(x[0::2], batch_size=64), method=method, num_bins=256)
+    single = _amax(model)
     for k in single:
         torch.testing.assert_close(a0[k], single[k], rtol=1e-5, atol=1e-6)
 

@@ -165,7 +165,7 @@ class QuantCalibrate(L.Callback):
         for _, q in st["quantizers"]:
             q.disable_calib()
             q.enable_quant()
-        if st["seen"] == 0:
+        if calibration.global_count(st["seen"]) == 0:
             raise calibration.CalibrationError("the validation dataloader produced no batches to calibrate on")
         calibration.sync(st["quantizers"])
         # validate() runs under inference_mode: amax made there could never be saved for backward
