@@ -472,3 +472,28 @@ def test_lower_precision_calibrates_trains_and_exports(tmp_path, dm, precision):
     amax = _amax(model)
     assert amax and all(torch.isfinite(a.float()).all() and (a > 0).all() for a in amax.values())
     assert cb.exporter.result is not None and cb.exporter.result.max_abs_diff <= cb.exporter.result.tolerance
+
+
+class _NaNAtStep(lq.zoo.SmallCNN):
+    """A model whose third training batch is all NaN (a corrupt record, an overflow upstream)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step == 2:
+            x = torch.full_like(x, float("nan"))
+        return super().training_step((x, y), batch_idx)
+
+
+def test_a_nan_batch_mid_qat_is_skipped_and_named(tmp_path, dm):
+    L.seed_everything(0)
+    model = _NaNAtStep(channels=8, max_epochs_hint=2)
+    cb = lq.QuantCallback(qat=QATConfig(learn_amax=True), verbose=False)
+    with pytest.warns(UserWarning, match=r"step 2 .*non-finite gradients in \d+ parameter\(s\) \(stem.*skipped"):
+        _trainer(tmp_path, [cb], limit_train_batches=6).fit(model, datamodule=dm)
+    assert cb.schedule.skipped_steps == 1
+    for name, t in list(model.state_dict().items()):
+        if t.is_floating_point():
+            assert torch.isfinite(t).all(), name  # weights, learned amax and BatchNorm statistics
+    learned = [q for _, q in iter_quantizers(model) if q.learn_amax]
+    assert learned and all(float(q.amax) > 0 for q in learned)
+    assert cb.exporter.result is not None  # the run went on to its export

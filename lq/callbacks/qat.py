@@ -43,6 +43,12 @@ class QATSchedule(L.Callback):
       the module's own schedulers while active).
     * Logs ``lq/amax_drift/<quantizer>``: relative change of every static amax
       since training started.
+    * A step whose gradients are not finite (a NaN/Inf batch, an overflow) is
+      skipped rather than written into the weights and learned amax: its
+      gradients are zeroed, the step runs with LR 0, the BatchNorm statistics
+      it changed are put back, and one warning names the step and the
+      quantizers whose amax gradient was not finite. Without this a single bad
+      batch made a learned amax NaN and ended the run with nothing saved.
 
     Args:
         qat: :class:`lq.config.QATConfig`.
@@ -101,6 +107,7 @@ class QATSchedule(L.Callback):
     # ------------------------------------------------------------------ every step
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         self._apply_bn(pl_module)  # Lightning may have put the module back in train mode after validation
+        self._remember_bn(pl_module)
         if self.base_lrs is not None:
             total = max(1, trainer.estimated_stepping_batches)
             progress = min(1.0, trainer.global_step / total)
@@ -113,6 +120,50 @@ class QATSchedule(L.Callback):
         start = base_lr * self.qat.lr_start_fraction
         end = start * self.qat.lr_end_fraction
         return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    # ------------------------------------------------------------------ non-finite steps
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        saved, self._skipped_lrs = getattr(self, "_skipped_lrs", None), None
+        if saved is not None:  # the skipped step ran at LR 0: give the groups their LR back
+            for opt, lrs in zip(trainer.optimizers, saved):
+                for group, lr in zip(opt.param_groups, lrs):
+                    group["lr"] = lr
+            for buf, value in getattr(self, "_bn_saved", []):
+                buf.copy_(value)
+        self._bn_saved = None
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        import torch
+
+        params = [(n, p) for n, p in pl_module.named_parameters() if p.grad is not None]
+        bad = [n for n, p in params if not torch.isfinite(p.grad).all()]
+        if not bad:
+            return
+        bad_amax = [n for n, q in iter_quantizers(pl_module) if q.learn_amax and isinstance(q.amax, torch.Tensor)
+                    and q.amax.grad is not None and not torch.isfinite(q.amax.grad).all()]
+        for _, p in params:
+            p.grad.zero_()
+        self._skipped_lrs = [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers]
+        for opt in trainer.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = 0.0
+        self._bn_saved = getattr(self, "_bn_before", [])
+        self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(
+            f"lq: step {trainer.global_step} (epoch {trainer.current_epoch}, batch of this epoch "
+            f"{trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1}) produced non-finite gradients in "
+            f"{len(bad)} parameter(s) ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})"
+            + (f", among them the learned amax of {', '.join(bad_amax)}" if bad_amax else "")
+            + "; the step was skipped (weights, amax and BatchNorm statistics kept). Check the data for NaN/Inf, "
+            "or lower the learning rate / clip gradients (Trainer(gradient_clip_val=...)).")
+
+    def _remember_bn(self, pl_module) -> None:
+        """The BatchNorm running statistics before this step's forward (a NaN batch writes NaN into them)."""
+        self._bn_before = [(b, b.detach().clone()) for bn in _bn_modules(pl_module) if bn.training
+                           for b in (bn.running_mean, bn.running_var) if b is not None]
 
     # ------------------------------------------------------------------ logging
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -103,6 +103,9 @@ class QuantCallback(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._each("on_train_batch_end", trainer, pl_module, outputs, batch, batch_idx)
 
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._each("on_before_optimizer_step", trainer, pl_module, optimizer)
+
     def on_train_epoch_end(self, trainer, pl_module):
         self._each("on_train_epoch_end", trainer, pl_module)
 
