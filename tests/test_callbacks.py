@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import Logger
 
 import lq
 from lq.calibration import CalibrationError, calibrate_model
+from lq.convert import quantize_model
 from lq.config import CalibConfig, ExportConfig, Int4BlockWeightConfig, QATConfig, QuantConfig
 from lq.nn.modules.tensor_quantizer import TensorQuantizer, iter_quantizers
 from lq.zoo import DigitsDataModule, SmallCNN
@@ -404,19 +405,35 @@ class _RankShiftedDigits(DigitsDataModule):
         return torch.utils.data.DataLoader(ds, batch_size=loader.batch_size, shuffle=False)
 
 
+def _spawn_trainer(tmp_path, cb):
+    return L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, limit_train_batches=1,
+                     limit_val_batches=0, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                     enable_model_summary=False, default_root_dir=str(tmp_path),
+                     callbacks=[cb, _SaveAmax(str(tmp_path))])
+
+
 def test_lightning_ddp_two_processes_same_global_amax(tmp_path):
     model = _model()
+    quantize_model(model)  # quantized before fit: the same modules in the parent and in every rank
     cb = _no_export(calib=CalibConfig(method="max", num_batches=1000))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, limit_train_batches=1,
-                        limit_val_batches=0, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                        enable_model_summary=False, default_root_dir=str(tmp_path),
-                        callbacks=[cb, _SaveAmax(str(tmp_path))])
-    trainer.fit(model, datamodule=_RankShiftedDigits(batch_size=64))
+    _spawn_trainer(tmp_path, cb).fit(model, datamodule=_RankShiftedDigits(batch_size=64))
     a0, a1 = torch.load(tmp_path / "amax0.pt"), torch.load(tmp_path / "amax1.pt")
     assert a0.keys() == a1.keys() and all(torch.equal(a0[k], a1[k]) for k in a0), "ranks disagree on amax"
     # each rank's shard is the sampler's half of the data, scaled by 1 + rank: the global max of the
     # first layer's input is 2 x the data max (rank 1), which rank 0 never saw itself
     assert a0["stem.0._input_quantizer"].item() == 2.0
+    # and the model this process holds came back quantized and calibrated (rank 0's state)
+    mine = _amax(model)
+    assert mine.keys() == a0.keys() and all(torch.equal(mine[k], a0[k]) for k in a0)
+
+
+def test_ddp_spawn_with_a_model_the_swap_must_change_is_refused(tmp_path):
+    """ddp_spawn copies rank 0's weights back with strict=False: the parent's plain model would silently come
+    back FP32, so the fit is refused with what to do instead."""
+    model = _model()
+    with pytest.raises(Exception, match=r"cannot train under strategy=DDPStrategy\('spawn'\).*strategy='ddp'"):
+        _spawn_trainer(tmp_path, _no_export()).fit(model, datamodule=DigitsDataModule(batch_size=64))
+    assert not any(isinstance(m, TensorQuantizer) for m in model.modules())
 
 
 def test_lightning_cli_with_callback(tmp_path):

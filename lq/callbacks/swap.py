@@ -125,6 +125,7 @@ class QuantSwap(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.summary = self.swap(pl_module)
+        _refuse_spawned_fit(trainer, stage, self.summary)
         rank_zero_info(f"lq: quantized {self._count(self.summary)} layer(s) of {type(pl_module).__name__}")
 
     @staticmethod
@@ -140,3 +141,23 @@ class QuantSwap(L.Callback):
         # The configuration the user passed wins; the saved one is kept for reference and for
         # lq.load_quantized(), which rebuilds the quantized model without this callback.
         self._restored_config = state_dict
+
+
+def _refuse_spawned_fit(trainer: L.Trainer, stage: str, summary) -> None:
+    """``ddp_spawn`` / ``ddp_fork`` / ``ddp_notebook`` fit in child processes and copy rank 0's weights back into
+    the parent's model with ``strict=False``. A model the swap had to change there was never swapped in the
+    parent, so its quantizers would be dropped silently and ``trainer.test`` or ``save_checkpoint`` afterwards
+    would use FP32. A model quantized before ``fit`` (``lq.convert.quantize_model``) has the same modules on
+    both sides, and its calibrated amax comes back with the weights."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    newly = getattr(summary, "quantized", None)
+    newly = newly() if callable(newly) else newly
+    if (stage == "fit" and newly and
+            isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher)):
+        raise RuntimeError(
+            f"lq.QuantCallback cannot train under strategy={type(trainer.strategy).__name__}"
+            f"('{getattr(trainer.strategy, '_start_method', 'spawn')}'): it trains in child processes and "
+            "copies only matching weights back, so the model you hold would lose its quantizers. Use "
+            "strategy='ddp' (the script is run once per process and the model is quantized in each), or "
+            "quantize the model before fit with lq.convert.quantize_model(model) (same modules in every process).")
