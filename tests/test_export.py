@@ -465,3 +465,39 @@ def test_channels_last_sample_exports(tmp_path):
     res = export_onnx(model, x, path)
     assert res.max_abs_diff <= 1e-5
     assert np.abs(_run(path, x.contiguous()) - _ref(model, x)).max() <= 1e-5
+
+
+# =========================================================================== verification messages
+def test_nan_in_the_sample_or_the_model_is_named(tmp_path):
+    model = _net()
+    x = _sample()
+    x[0, 0, 0, 0] = float("nan")
+    with pytest.raises(VerificationError, match=r"sample input holds NaN/Inf \(input: 1 NaN, 0 Inf of 1152\)"):
+        export_onnx(model, x, tmp_path / "nan_in.onnx", dynamo=False)
+    with torch.no_grad():
+        model.head.weight[0, 0] = float("nan")
+    with pytest.raises(ExportError, match=r"'head\._weight_quantizer' holds NaN/Inf \(1 of 640 values\).*not finite"):
+        export_onnx(model, _sample(), tmp_path / "nan_w.onnx", dynamo=False)
+    assert not (tmp_path / "nan_w.onnx").exists()
+
+
+def test_tolerance_never_below_two_output_steps(tmp_path):
+    """A barely trained model's outputs are a few quantization steps: 5% of them is below one flipped step."""
+    from lq.export._verify import output_step
+
+    torch.manual_seed(0)
+    model = _quantized(nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 4)))
+    with torch.no_grad():
+        model[1].weight.mul_(1e-3)  # outputs of ~1e-3: 5% of them is far below a step
+        model[1].bias.zero_()
+    from lq.calibration import calibrate_model
+
+    calibrate_model(model, [torch.randn(16, 3, 8, 8)], method="max")
+    path = str(tmp_path / "tiny.onnx")
+    res = export_onnx(model, _sample(), path, dynamo=False)
+    lin = model[1]
+    step = float(lin._input_quantizer.amax) / 127 * float(lin._weight_quantizer.amax.max())
+    assert output_step(onnx.load(path)) == pytest.approx(step, rel=1e-5)
+    assert res.tolerance == pytest.approx(max(0.05 * np.abs(_ref(model, _sample())).max(), 2 * step) + 1e-6,
+                                          rel=1e-5)
+    assert res.tolerance > 0.05 * np.abs(_ref(model, _sample())).max()  # the floor is what applies here

@@ -99,7 +99,7 @@ class QuantExport(L.Callback):
             )
         except Exception as err:
             where = f" The trained weights are safe in {ckpt}." if ckpt else ""
-            raise ExportFailed(f"ONNX export to {path} failed: {err}.{where}") from err
+            raise ExportFailed(f"ONNX export to {path} failed: {str(err).rstrip('. ')}.{where}") from err
         self.path = path
         self._report(result)
         return result

@@ -362,8 +362,9 @@ def export_onnx(
         verify: run the model in onnxruntime on ``sample_input`` and compare with the PyTorch
             fake-quant output; raise :class:`VerificationError` beyond the tolerance.
         rtol, atol: allowed ``max|ort - torch| <= atol + rtol * max|torch|``; ``tolerance`` is an
-            alias of ``atol``. Default: ``atol = 0.05 * max|torch output|`` when neither is given
-            (a few quantization steps of the last layer).
+            alias of ``atol``. Default when neither is given: 5% of ``max|torch output|``, and never less
+            than two quantization steps at the output (one flipped rounding there is normal between
+            runtimes; a barely trained model has outputs of only a few steps).
         input_names, output_names: graph input/output names (default ``input``, ``output``).
         dynamic_batch: make dim 0 of inputs and outputs dynamic.
         dynamic_spatial: also make the spatial dims (H, W, ...: every dim after the channels of an input of
@@ -532,26 +533,45 @@ def export_onnx(
     if verify:
         max_diff, ref_max = 0.0, 0.0
         for inputs, refs in cases:
+            feeds = [a.numpy() for a in inputs if isinstance(a, torch.Tensor)]
+            bad_in = _verify.nonfinite_report(feeds, input_names)
+            bad_ref = _verify.nonfinite_report(refs, output_names)
+            if bad_in or bad_ref:
+                _save_unverified(proto, path)
+                raise VerificationError(
+                    "cannot verify the export: "
+                    + (f"the sample input holds NaN/Inf ({bad_in})" if bad_in else
+                       f"the PyTorch model's own output holds NaN/Inf on the sample ({bad_ref}): the trained "
+                       "weights or an amax are not finite")
+                    + f". The file was saved as {_unverified(path)}; {path} was not written.")
             try:
                 sess = _verify.make_session(data, providers, graph_optimization_level=_verify.verify_level(target))
-                ort_out = _verify.run(sess, [a.numpy() for a in inputs if isinstance(a, torch.Tensor)])
+                ort_out = _verify.run(sess, feeds)
             except Exception as e:
                 _save_unverified(proto, path)
                 shape = [tuple(a.shape) for a in inputs if isinstance(a, torch.Tensor)]
                 raise ExportError(f"onnxruntime could not run the exported model on input shape(s) {shape}: "
                                   f"{_short(e)} (saved as {_unverified(path)} for inspection)") from e
+            bad_ort = _verify.nonfinite_report(ort_out, output_names)
+            if bad_ort:
+                _save_unverified(proto, path)
+                raise VerificationError(f"onnxruntime's output holds NaN/Inf where PyTorch's is finite ({bad_ort}). "
+                                        f"The file was saved as {_unverified(path)}; {path} was not written.")
             max_diff = max(max_diff, _verify.max_abs_diff(ort_out, refs))
             ref_max = max([ref_max] + [float(np.abs(r).max()) for r in refs if r.size])
+        step = _verify.output_step(proto)
         if atol is None and not rtol:
-            tol = 0.05 * ref_max + 1e-6
+            # 5% of the largest output, and never less than two quantization steps flipped at the output
+            tol = max(0.05 * ref_max, 2.0 * step) + 1e-6
         else:
             tol = (atol or 0.0) + rtol * ref_max
         if not max_diff <= tol:
             _save_unverified(proto, path)
             raise VerificationError(
                 f"onnxruntime output differs from the PyTorch fake-quant output by max abs diff {max_diff:.4g}, "
-                f"more than the tolerance {tol:.4g} (atol={atol}, rtol={rtol}, max|output|={ref_max:.4g}). "
-                f"The model was saved as {_unverified(path)}; {path} was not written.")
+                f"more than the tolerance {tol:.4g} (atol={atol}, rtol={rtol}, max|output|={ref_max:.4g}, "
+                f"output quantization step {step:.3g}). The model was saved as {_unverified(path)}; {path} was "
+                "not written")
     _atomic_save(proto, path)
     if check_fusion:
         try:

@@ -168,6 +168,9 @@ def _lower_int(g: Graph, n, layer, opts, infos, x_rank, xc):
         raise ExportError(f"quantizer '{layer}' has a negative or non-finite amax ({amax.ravel()[:4]}...)")
     if xc is not None and _static_block(amax.shape, xc.shape) is not None:
         return _lower_static_block(g, n, layer, opts, infos, xc, amax, num_bits, unsigned, narrow, maxbound, hint)
+    if xc is not None and not np.all(np.isfinite(xc)):
+        raise ExportError(f"the tensor quantized by '{layer}' holds NaN/Inf ({int(np.sum(~np.isfinite(xc)))} of "
+                          f"{xc.size} values): the trained weights are not finite")
     if xc is not None:  # weight: quantize here with lq's rounding
         axis = _quant_axis(amax.shape, xc.ndim, layer, opts.opset)
         if num_bits > 8:

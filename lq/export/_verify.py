@@ -78,6 +78,67 @@ def optimized_op_counts(path: str, providers=None) -> Counter:
     return Counter(n.op_type for n in m.graph.node)
 
 
+def output_step(model) -> float:
+    """The change of a model output that one quantization step flipped at the last quantizer before it causes.
+
+    A flip (a value on a rounding boundary summed in another order) is normal between two runtimes; the
+    verification tolerance never goes below two of them. Per graph output, walking back through
+    data-movement ops: a DequantizeLinear's scale, or for a Conv/Gemm/MatMul reading Q/DQ tensors the input
+    scale times the largest weight magnitude. 0 when no output comes from a quantized op.
+    """
+    from onnx import numpy_helper
+
+    from lq.export._ir import Graph
+    from lq.export._rules import commutes
+
+    g = Graph(model)
+    prod = g.producers()
+    consts = {i.name: i for i in model.graph.initializer}
+
+    def const(name):
+        return numpy_helper.to_array(consts[name]).astype(np.float64) if name in consts else None
+
+    def dq_values(dq):
+        q, s = const(dq.input[0]), const(dq.input[1])
+        if q is None or s is None:
+            return None
+        zp = const(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else np.zeros(())
+        ax = next((a.i for a in dq.attribute if a.name == "axis"), 1) % q.ndim
+        shape = [-1 if d == ax else 1 for d in range(q.ndim)]
+        s = s.reshape(shape) if s.ndim == 1 else s
+        zp = zp.reshape(shape) if zp.ndim == 1 else zp
+        return (q - zp) * s
+
+    best = 0.0
+    for out in model.graph.output:
+        n = prod.get(out.name)
+        while n is not None and commutes(n.op_type) and n.input:
+            n = prod.get(n.input[0])
+        if n is None:
+            continue
+        if n.op_type == "DequantizeLinear":
+            s = const(n.input[1])
+            best = max(best, float(np.abs(s).max()) if s is not None else 0.0)
+        elif n.op_type in ("Conv", "Gemm", "MatMul") and len(n.input) >= 2:
+            a, w = prod.get(n.input[0]), prod.get(n.input[1])
+            if a is None or w is None or a.op_type != "DequantizeLinear" or w.op_type != "DequantizeLinear":
+                continue
+            sa, wv = const(a.input[1]), dq_values(w)
+            if sa is not None and wv is not None:
+                best = max(best, float(np.abs(sa).max() * np.abs(wv).max()))
+    return best
+
+
+def nonfinite_report(outs: list[np.ndarray], names: list[str]) -> str:
+    """``""`` when every output is finite, else which outputs hold NaN/Inf and how many."""
+    bad = []
+    for name, o in zip(names, outs):
+        o = np.asarray(o)
+        if o.dtype.kind == "f" and not np.isfinite(o).all():
+            bad.append(f"{name}: {int(np.isnan(o).sum())} NaN, {int(np.isinf(o).sum())} Inf of {o.size}")
+    return "; ".join(bad)
+
+
 def max_abs_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     if len(a) != len(b):
         raise ValueError(f"onnxruntime returned {len(a)} outputs, PyTorch {len(b)}")
