@@ -197,6 +197,8 @@ class LayerSummary:
     weight_amax: float | None = None
     weight_amax_min: float | None = None
     num_quantizers: int = 0
+    input_dynamic: bool = False
+    weight_dynamic: bool = False
     _input_text: str = field(default="-", repr=False)
     _weight_text: str = field(default="-", repr=False)
 
@@ -229,6 +231,8 @@ class LayerSummary:
             weight_amax=wmax,
             weight_amax_min=wmin,
             num_quantizers=len(inputs) + len(weights),
+            input_dynamic=bool(qi is not None and qi.dynamic),
+            weight_dynamic=bool(qw is not None and qw.dynamic),
             _input_text=f"{_fmt_bits(qi)} {_fmt_axis(qi)}" if qi is not None else "-",
             _weight_text=f"{_fmt_bits(qw)} {_fmt_axis(qw)}" if qw is not None else "-",
         )
@@ -243,9 +247,11 @@ class LayerSummary:
         return d
 
 
-def _fmt_amax(lo, hi) -> str:
-    if hi is None:
+def _fmt_amax(lo, hi, dynamic: bool = False) -> str:
+    if dynamic:
         return "dynamic"
+    if hi is None:
+        return "uncalibrated"
     if lo is None or f"{lo:.3g}" == f"{hi:.3g}":
         return f"{hi:.4g}"
     return f"{lo:.3g}..{hi:.3g}"
@@ -297,9 +303,11 @@ class QuantizationSummary:
                 layer.type,
                 layer.status,
                 layer._input_text,
-                _fmt_amax(layer.input_amax_min, layer.input_amax) if layer._input_text != "-" else "-",
+                _fmt_amax(layer.input_amax_min, layer.input_amax, layer.input_dynamic)
+                if layer._input_text != "-" else "-",
                 layer._weight_text,
-                _fmt_amax(layer.weight_amax_min, layer.weight_amax) if layer._weight_text != "-" else "-",
+                _fmt_amax(layer.weight_amax_min, layer.weight_amax, layer.weight_dynamic)
+                if layer._weight_text != "-" else "-",
             )
             for layer in self.layers
         ]

@@ -388,3 +388,13 @@ def test_models_built_under_initialize_match_conversion(clean_torch_nn):
     assert [type(m) for m in a] == [type(m) for m in b]
     x = torch.randn(1, 1, 4, 4)
     assert torch.equal(a(x), b(x))
+
+
+def test_summary_says_uncalibrated_before_calibration_and_dynamic_for_dynamic_quantizers():
+    from lq.tensor_quant import QuantDescriptor
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    summary = quantize_model(model, overrides={"2": {"input": QuantDescriptor(num_bits=8, dynamic=True)}})
+    rows = {r[0]: r for r in summary._table_rows()}
+    assert rows["0"][4] == "uncalibrated" and rows["2"][4] == "dynamic"
+    assert "uncalibrated" in str(summary)

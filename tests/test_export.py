@@ -139,6 +139,9 @@ def exported(tmp_path_factory):
 def test_export_checks_runs_and_matches_pytorch(exported):
     model, res, path, _, _ = exported
     assert os.path.exists(path) and res.file_size == os.path.getsize(path)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600: a server user can read it
     onnx.checker.check_model(onnx.load(path), full_check=True)
     x = _sample()
     out = _run(path, x)

@@ -227,3 +227,21 @@ def test_multihead_attention_transformer_exports_right_for_both_targets(tmp_path
     else:
         # int8 zero-point-0 everywhere (TensorRT); onnxruntime's CPU kernels could saturate on it, and it says so
         assert risks and any("would saturate in onnxruntime" in w for w in res.warnings)
+
+
+def test_file_check_covers_explicit_integer_ops():
+    """onnxruntime's own quantize_dynamic writes MatMulInteger: the check reads those weights too."""
+    w = np.random.default_rng(0).integers(-50, 51, (16, 8)).astype(np.int8)
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+             helper.make_node("MatMulInteger", ["xq", "w", "xz"], ["y"])]
+
+    def model(weights):
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT32, None)],
+                              [numpy_helper.from_array(weights, "w")])
+        return helper.make_model(g)
+
+    assert int16_risks(model(w)) == []
+    w[0, 3], w[5, 3] = 127, 100
+    (r,) = int16_risks(model(w))
+    assert r.op_type == "MatMulInteger" and r.worst_pair == 227 * 255

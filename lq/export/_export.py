@@ -312,6 +312,9 @@ def _atomic_save(model: onnx.ModelProto, path: str) -> None:
     os.close(fd)
     try:
         onnx.save_model(model, tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the file is for serving, as readable as any other
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

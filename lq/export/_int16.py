@@ -82,8 +82,23 @@ def _dq_dtype(g: Graph, dq) -> int | None:
     return TensorProto.UINT8  # no zero point: uint8 by the ONNX default
 
 
+#: integer ops written out in the graph (onnxruntime's quantize_dynamic, QOperator files): B is read as is
+INTEGER_OPS = {"MatMulInteger": "MatMul", "ConvInteger": "Conv"}
+
+
 def _risk(g: Graph, n, prod) -> tuple[Int16Risk | None, object]:
     """The saturation risk of one candidate node and the weight DequantizeLinear that causes it."""
+    if n.op_type in INTEGER_OPS and len(n.input) >= 2:
+        w = g.const(n.input[1])
+        if w is None or w.dtype != np.int8:
+            return None, None
+        out_axis, _ = weight_reduction_axes(INTEGER_OPS[n.op_type], n, w.ndim)
+        per_ch = worst_pair_per_channel(w, out_axis % w.ndim)
+        worst = int(per_ch.max()) * ACTIVATION_CODE_MAX if per_ch.size else 0
+        if worst <= INT16_MAX:
+            return None, None
+        return Int16Risk(n.name, layer_name(n), n.op_type, worst,
+                         f"uint8 activations x int8 weights with two magnitudes summing to {int(per_ch.max())}"), None
     if n.op_type not in INTEGER_KERNEL_OPS or len(n.input) < 2:
         return None, None
     a, b = prod.get(n.input[0]), prod.get(n.input[1])
