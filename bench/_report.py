@@ -16,14 +16,10 @@ from typing import Any
 
 def cpu_isa() -> str:
     """The x86 integer-SIMD level onnxruntime's kernels pick from: what every speed table must name."""
-    try:
-        flags = set()
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
+    from lq._ext import cpu_flags
+
+    flags = cpu_flags()
+    if not flags:
         return "unknown"
     if "amx_int8" in flags:
         return "AMX + AVX-512 VNNI"

@@ -41,17 +41,21 @@ def source_dir() -> Path:
     raise FileNotFoundError(f"lq's C++ sources were not found next to {here}")
 
 
-def cpu_capability() -> str:
-    """The widest x86 vector ISA this CPU and ATen's ``at::vec`` both support."""
-    flags = set()
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``); empty where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        return "DEFAULT"
+        pass
+    return set()
+
+
+def cpu_capability() -> str:
+    """The widest x86 vector ISA this CPU and ATen's ``at::vec`` both support."""
+    flags = cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         return "AVX512"
     if {"avx2", "fma"} <= flags:

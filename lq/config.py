@@ -383,9 +383,15 @@ class ExportConfig:
 
 
 def _coerce(value, cls, where: str):
-    """Accept a dataclass instance or a mapping of its fields (Hydra/CLI give mappings)."""
+    """Accept a dataclass instance, a mapping of its fields (Hydra/CLI give mappings), or for a quantization
+    recipe its preset name (``"int8_per_tensor"``, as in Hydra's ``quant=int8_per_tensor``)."""
     if isinstance(value, cls):
         return value
+    if isinstance(value, str) and issubclass(cls, QuantConfig):
+        if value not in RECIPES:
+            raise ValueError(f"{where}={value!r} is not a recipe: choose one of {list(RECIPES)}, or pass a "
+                             "QuantConfig")
+        return RECIPES[value]()
     if isinstance(value, dict) or hasattr(value, "items"):
         data = dict(value.items())
         allowed = {f.name for f in fields(cls)}

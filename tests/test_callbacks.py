@@ -163,13 +163,14 @@ def test_export_error_keeps_weights_and_says_what_to_fix(tmp_path, dm, monkeypat
     cb = lq.QuantCallback(export=ExportConfig(path="int8.onnx"), verbose=False)
 
     def boom(*a, **k):
-        raise RuntimeError("unsupported operator Foo")
+        raise RuntimeError("unsupported operator Foo.")
 
     monkeypatch.setattr("lq.export.export_onnx", boom)
     with pytest.raises(lq.callbacks.ExportFailed) as info:
         _trainer(tmp_path, [cb]).fit(model, datamodule=dm)
     msg = str(info.value)
     assert "unsupported operator Foo" in msg and "lq_before_export.ckpt" in msg
+    assert ".." not in msg.replace("...", "")  # one full stop between the cause and where the weights are
     saved = torch.load(tmp_path / "lq_before_export.ckpt", weights_only=True)
     assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
 
@@ -323,6 +324,11 @@ def test_ptq_only_through_validate(tmp_path, dm):
     assert all(q.amax is not None for _, q in iter_quantizers(model) if q.is_enabled)
 
 
+def _shard(x, rank, world):
+    """Uneven, differently distributed shards: rank 0 every other sample, rank 1 every fourth, scaled by 2."""
+    return x[0::2] if rank == 0 else x[1::4] * 2.0
+
+
 def _ddp_worker(rank, world, port, out_dir, empty_rank=-1, method="entropy"):
     import torch.distributed as dist
 
@@ -332,7 +338,7 @@ def _ddp_worker(rank, world, port, out_dir, empty_rank=-1, method="entropy"):
     model = _model()
     lq.QuantSwap().swap(model)
     x, _ = DigitsDataModule().arrays("train")
-    shard = x[rank::world] * (1.0 + rank)  # different data per rank, different ranges
+    shard = _shard(x, rank, world)
     if rank == empty_rank:
         shard = shard[:0]  # this rank's loader yields no batch at all
     calibrate_model(model, torch.utils.data.DataLoader(shard, batch_size=64), method=method, num_bins=256)
@@ -340,24 +346,21 @@ def _ddp_worker(rank, world, port, out_dir, empty_rank=-1, method="entropy"):
     dist.destroy_process_group()
 
 
-def test_ddp_two_processes_agree_on_global_amax(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_ddp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("method", ["max", "entropy", "percentile", "mse"])
+def test_ddp_two_processes_agree_on_global_amax(tmp_path, method):
+    torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path), -1, method), nprocs=2, join=True)
     a0 = torch.load(tmp_path / "amax0.pt")
     a1 = torch.load(tmp_path / "amax1.pt")
-    assert a0.keys() == a1.keys() and all(torch.equal(a0[k], a1[k]) for k in a0)
+    assert a0.keys() == a1.keys() and all(torch.equal(a0[k], a1[k]) for k in a0)  # bitwise, every rank
     # the same statistics gathered in one process over both shards give the same amax
     x, _ = DigitsDataModule().arrays("train")
-    both = torch.cat([x[0::2] * 1.0, x[1::2] * 2.0])
+    both = torch.cat([_shard(x, 0, 2), _shard(x, 1, 2)])
     model = _model()
     lq.QuantSwap().swap(model)
-    calibrate_model(model, torch.utils.data.DataLoader(both, batch_size=64), method="entropy", num_bins=256)
+    calibrate_model(model, torch.utils.data.DataLoader(both, batch_size=64), method=method, num_bins=256)
     single = _amax(model)
-    assert single["stem.0._input_quantizer"].item() > 1.0  # rank 1's doubled range reached everybody
+    if method == "max":
+        assert single["stem.0._input_quantizer"].item() == 2.0  # rank 1's doubled range reached everybody
     for k in single:
         torch.testing.assert_close(a0[k], single[k], rtol=1e-5, atol=1e-6)
 
@@ -380,7 +383,8 @@ def test_ddp_rank_without_calibration_batches_joins_the_sync(tmp_path, method):
     x, _ = DigitsDataModule().arrays("train")
     model = _model()
     lq.QuantSwap().swap(model)
-    calibrate_model(model, torch.utils.data.DataLoader(x[0::2], batch_size=64), method=method, num_bins=256)
+    calibrate_model(model, torch.utils.data.DataLoader(_shard(x, 0, 2), batch_size=64), method=method,
+                    num_bins=256)
     single = _amax(model)
     for k in single:
         torch.testing.assert_close(a0[k], single[k], rtol=1e-5, atol=1e-6)
@@ -514,3 +518,18 @@ def test_a_nan_batch_mid_qat_is_skipped_and_named(tmp_path, dm):
     learned = [q for _, q in iter_quantizers(model) if q.learn_amax]
     assert learned and all(float(q.amax) > 0 for q in learned)
     assert cb.exporter.result is not None  # the run went on to its export
+
+
+def test_export_into_an_unwritable_place_keeps_the_weights_and_leaves_no_partial_file(tmp_path, dm):
+    """Running as root makes a read-only folder writable, so the folder here cannot exist at all (its parent
+    is a file): the export must fail with the safe checkpoint named, and write nothing."""
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the export folder should be")
+    model = _model()
+    cb = lq.QuantCallback(export=ExportConfig(path=str(blocker / "model_int8.onnx")), verbose=False)
+    with pytest.raises(lq.callbacks.ExportFailed, match=r"lq_before_export\.ckpt"):
+        _trainer(tmp_path, [cb]).fit(model, datamodule=dm)
+    assert blocker.read_text().startswith("a file")
+    assert not list(tmp_path.glob("**/*.onnx")) and not list(tmp_path.glob("**/.lq-export-*"))
+    saved = torch.load(tmp_path / "lq_before_export.ckpt", weights_only=True)
+    assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())

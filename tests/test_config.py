@@ -152,3 +152,13 @@ def test_job_seed_reaches_the_datamodule_split_and_shuffle():
     assert _instantiate(_data_spec(explicit)).hparams.seed == 5  # data.seed wins
     job = OmegaConf.to_object(_compose(["seed=7"]))
     assert _instantiate(_data_spec(job)).hparams.seed == 7  # through Hydra too
+
+
+def test_recipe_names_are_accepted_from_python():
+    import lq
+
+    cb = lq.QuantCallback(quant="int8_per_tensor", verbose=False)
+    assert type(cb.quant) is C.Int8PerTensorConfig
+    assert type(lq.QuantCallback(quant="int8_reduce_range").quant) is C.Int8ReduceRangeConfig
+    with pytest.raises(ValueError, match=r"'int8' is not a recipe: choose one of \['int8_per_tensor'"):
+        lq.QuantCallback(quant="int8")

@@ -88,9 +88,9 @@ class QuantExport(L.Callback):
         from lq.export import export_onnx
 
         path = self.resolve_path(trainer)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         e = self.export
         try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             sample = self._sample(trainer, pl_module)
             sample = sample.to(pl_module.device) if isinstance(sample, torch.Tensor) else sample
             result = export_onnx(

@@ -100,8 +100,8 @@ def output_step(model) -> float:
 
     def dq_values(dq):
         q, s = const(dq.input[0]), const(dq.input[1])
-        if q is None or s is None:
-            return None
+        if q is None or s is None or any(a.name == "block_size" and a.i for a in dq.attribute):
+            return None  # blocked weights (weight-only INT4): no integer kernel, no output step
         zp = const(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else np.zeros(())
         ax = next((a.i for a in dq.attribute if a.name == "axis"), 1) % q.ndim
         shape = [-1 if d == ax else 1 for d in range(q.ndim)]
