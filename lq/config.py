@@ -412,7 +412,8 @@ class JobConfig:
     """The ``lq-train`` job: train FP32, calibrate (PTQ), fine-tune (QAT), export, evaluate in onnxruntime.
 
     Attributes:
-        quant, calib, qat, export: the callback suite's configs.
+        quant, calib, qat, export: the callback suite's configs (the job's recipe is ``int8_reduce_range``: it
+            ends in onnxruntime on this CPU, where 7-bit weights run the fast kernels on every x86 CPU).
         trainer: keyword arguments of ``lightning.Trainer`` (``max_epochs`` is set per phase).
         model: ``_target_`` and arguments of a LightningModule.
         data: ``_target_`` and arguments of a LightningDataModule.
@@ -422,7 +423,9 @@ class JobConfig:
         output_dir: where checkpoints, the ONNX files and the results table go.
     """
 
-    quant: QuantConfig = field(default_factory=QuantConfig)
+    # the int8_reduce_range recipe's values on the base class: Hydra types the node by its default, and any
+    # recipe (a QuantConfig subclass) must be able to replace it
+    quant: QuantConfig = field(default_factory=lambda: QuantConfig(weight=Int8ReduceRangeConfig().weight))
     calib: CalibConfig = field(default_factory=CalibConfig)
     qat: QATConfig = field(default_factory=QATConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
