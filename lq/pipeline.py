@@ -32,6 +32,7 @@ class JobResult:
     latency_ms: dict = field(default_factory=dict)  # (model, batch) -> median ms
     onnx_max_abs_diff: Optional[float] = None
     files: dict = field(default_factory=dict)
+    layers: list = field(default_factory=list)  # the per-layer quantizer table (lq.report.quantizer_rows)
 
     def rows(self) -> list[tuple[str, str]]:
         out = []
@@ -173,7 +174,7 @@ def run_job(cfg: JobConfig, *, print_table: bool = True) -> JobResult:
     qat = copy.deepcopy(model)
     export_cfg = copy.deepcopy(cfg.export)
     export_cfg.path = str((out / "model_int8.onnx").resolve())
-    cb = QuantCallback(cfg.quant, cfg.calib, cfg.qat, export_cfg, verbose=False)
+    cb = QuantCallback(cfg.quant, cfg.calib, cfg.qat, export_cfg, verbose=True)
     _trainer(cfg, out / "qat", cfg.qat_epochs, callbacks=[cb]).fit(qat, datamodule=dm)
     if cfg.qat_epochs == 0 and export_cfg.enabled and cb.exporter.path is None:
         cb.exporter.run(_trainer(cfg, out / "qat", 0), qat)
@@ -199,18 +200,39 @@ def run_job(cfg: JobConfig, *, print_table: bool = True) -> JobResult:
         if os.path.exists(int8_path):
             res.latency_ms[("int8", batch)] = ort_latency_ms(int8_path, sample)
 
+    res.layers = list(getattr(cb, "summary_rows", []) or [])
+    write_results(res, out)
     if print_table:
         print_results(res)
     return res
 
 
+def write_results(res: JobResult, out: Path) -> None:
+    """``results.md`` and ``results.json`` next to the ONNX files: the results table and the per-layer one."""
+    import json
+
+    from lq import report
+
+    lines = ["# lq-train results", "", "| measure | value |", "|---|---:|"]
+    lines += [f"| {k} | {v} |" for k, v in res.rows()]
+    if res.layers:
+        lines += ["", "## Quantizers", "", report.markdown_table(res.layers)]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    data = {"accuracy": res.accuracy, "size_bytes": res.size_bytes,
+            "latency_ms": {f"{m}, batch {b}": v for (m, b), v in res.latency_ms.items()},
+            "onnx_max_abs_diff": res.onnx_max_abs_diff, "files": res.files, "table": dict(res.rows()),
+            "layers": res.layers}
+    (out / "results.json").write_text(json.dumps(data, indent=2, default=str))
+
+
 def print_results(res: JobResult) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from lq.report import print_rich
 
     t = Table(title="lq-train results")
     t.add_column("measure")
     t.add_column("value", justify="right")
     for k, v in res.rows():
         t.add_row(k, v)
-    Console().print(t)
+    print_rich(t)

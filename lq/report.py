@@ -63,9 +63,19 @@ def markdown_table(rows: Iterable[Mapping[str, Any]]) -> str:
 
 
 def print_table(rows, title: str = "lq quantization summary") -> None:
+    print_rich(rich_table(rows, title))
+
+
+def print_rich(renderable) -> None:
+    """Print a rich table whole: on a terminal at its width, into a file or pipe never cut at 80 columns
+    (where layer names would end in "...")."""
     from rich.console import Console
 
-    Console().print(rich_table(rows, title))
+    console = Console()
+    if not console.is_terminal:
+        natural = console.measure(renderable, options=console.options.update(max_width=10_000)).maximum
+        console = Console(width=max(console.width, natural))
+    console.print(renderable)
 
 
 def log_table(loggers, rows: list[dict], step: int = 0, key: str = "lq/summary") -> None:

@@ -45,7 +45,8 @@ def test_hydra_example_and_lq_train(tmp_path):
             f"hydra.run.dir={tmp_path}"]
     log = _run([str(EXAMPLES / "hydra_app.py"), *fast], tmp_path)
     for row in ("accuracy: FP32", "accuracy: INT8 PTQ", "accuracy: INT8 QAT", "accuracy: INT8 ONNX",
-                "latency: int8, batch 32", "size: model_int8.onnx", "lq: QAT distills from a frozen FP32 copy"):
+                "latency: int8, batch 32", "size: model_int8.onnx", "lq: QAT distills from a frozen FP32 copy",
+                "stem.0._input_quantizer"):  # the per-layer table, whole (output to a pipe is not cut at 80)
         assert row in log, row
     assert (tmp_path / "model_int8.onnx").exists()
 
@@ -68,6 +69,12 @@ def test_lq_train_default_job_accuracy(tmp_path):
                                                                 "enable_model_summary": False}),
                   print_table=False)
     acc = res.accuracy
+    md = (tmp_path / "results.md").read_text()
+    assert "| accuracy: INT8 ONNX (onnxruntime) |" in md and "stem.0._input_quantizer" in md
+    import json
+
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["accuracy"]["onnx_int8"] == acc["onnx_int8"] and data["layers"]
     assert acc["fp32"] > 0.95
     assert acc["onnx_int8"] >= acc["fp32"] - 0.01
     assert acc["qat"] >= acc["fp32"] - 0.01
