@@ -483,6 +483,13 @@ def test_heavy_clipping_is_reported_by_name():
         calibrate_model(model, [spiky], method="max")  # max never clips: no warning
 
 
+def test_double_precision_is_refused_up_front(tmp_path, dm):
+    model = _model()
+    with pytest.raises(ValueError, match=r"precision='64-true'\) is not supported: use '32-true', 'bf16-true'"):
+        _trainer(tmp_path, [lq.QuantCallback(verbose=False)], precision="64-true").fit(model, datamodule=dm)
+    assert not any(isinstance(m, TensorQuantizer) for m in model.modules())  # nothing half-swapped
+
+
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
 def test_lower_precision_calibrates_trains_and_exports(tmp_path, dm, precision):
     """Calibration runs its batches through the precision plugin, as training does (bf16-true failed with a

@@ -124,6 +124,10 @@ class QuantSwap(L.Callback):
                 tq.disable()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if str(getattr(trainer, "precision", "")).startswith("64"):
+            raise ValueError(
+                "lq quantizes float32, float16 and bfloat16 tensors; Trainer(precision='64-true') is not supported: "
+                "use '32-true', 'bf16-true', 'bf16-mixed' or '16-mixed'")
         self.summary = self.swap(pl_module)
         _refuse_spawned_fit(trainer, stage, self.summary)
         rank_zero_info(f"lq: quantized {self._count(self.summary)} layer(s) of {type(pl_module).__name__}")
