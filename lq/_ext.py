@@ -233,6 +233,11 @@ def is_loaded() -> bool:
 
 def main() -> int:
     """``lq-build-ext``: prebuild the extension and report where it lives."""
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print("usage: lq-build-ext [-v]\n\nBuild lq's C++ kernels now (once; cached by content in "
+              f"{cache_root()}, or $LQ_EXT_CACHE) and print where the library is.\n  -v  show the compiler "
+              "commands\nLQ_DISABLE_EXT=1 makes lq use its pure-PyTorch reference kernels instead.")
+        return 0
     if disabled():
         print("LQ_DISABLE_EXT is set: nothing to build")
         return 0

@@ -21,7 +21,15 @@ def _train(cfg: DictConfig) -> None:
 
 
 def train() -> None:
-    """``lq-train [hydra overrides]``: the whole pipeline on the configured model and data."""
+    """``lq-train [hydra overrides]``: the whole pipeline on the configured model and data.
+
+    The current directory is importable, as with ``python -m``, so ``model._target_=my_pkg.MyModule``
+    finds a ``my_pkg.py`` next to where you run it.
+    """
+    import os
+
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     _train()
 
 

@@ -51,10 +51,33 @@ class JobResult:
         return out
 
 
-def _instantiate(spec: dict):
-    from hydra.utils import instantiate
+def _instantiate(spec: dict, group: str = ""):
+    """Build ``spec["_target_"]`` with the arguments it accepts.
 
-    return instantiate(dict(spec), _convert_="all")
+    ``lq-train model._target_=my_pkg.MyModule`` overrides one key of the default preset, so the preset's
+    other arguments (SmallCNN's ``num_classes``, ``channels`` ...) are still in the node; an argument the
+    class does not take is left out with one warning naming it, instead of a TypeError.
+    """
+    import inspect
+    import warnings
+
+    from hydra.utils import get_class, instantiate
+
+    spec = dict(spec)
+    target = spec.get("_target_")
+    try:
+        params = inspect.signature(get_class(target)).parameters if target else {}
+    except Exception:  # noqa: BLE001 - a function target or an import error: instantiate reports it
+        params = {}
+    if params and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        dropped = sorted(k for k in spec if not k.startswith("_") and k not in params)
+        if dropped:
+            warnings.warn(f"lq-train: {target} takes no argument(s) {dropped}, so {group or 'the'} preset's values "
+                          f"for them are not passed (give its own arguments as +{group or 'model'}.NAME=VALUE)",
+                          stacklevel=2)
+            for k in dropped:
+                spec.pop(k)
+    return instantiate(spec, _convert_="all")
 
 
 def _data_spec(cfg: JobConfig) -> dict:
@@ -153,8 +176,8 @@ def run_job(cfg: JobConfig, *, print_table: bool = True) -> JobResult:
     out.mkdir(parents=True, exist_ok=True)
     res = JobResult()
 
-    dm = _instantiate(_data_spec(cfg))
-    model = _instantiate(cfg.model)
+    dm = _instantiate(_data_spec(cfg), "data")
+    model = _instantiate(cfg.model, "model")
     dm.setup("fit")
 
     # 1. FP32

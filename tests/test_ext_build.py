@@ -64,3 +64,10 @@ def test_cache_key_is_the_sources_content_not_the_clone_path(tmp_path):
     flags = _ext.build_flags()
     assert _ext._build_name(cpp, flags) == _ext._build_name(cpp_copy, flags)
     assert _ext._build_name(cpp, flags) != _ext._build_name(cpp, (flags[0] + ["-DX"],) + flags[1:])
+
+
+def test_build_ext_help_prints_usage_and_builds_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["lq-build-ext", "--help"])
+    monkeypatch.setattr(_ext, "build", lambda *a, **k: pytest.fail("--help must not build"))
+    assert _ext.main() == 0
+    assert "usage: lq-build-ext" in capsys.readouterr().out

@@ -51,3 +51,59 @@ def test_lightning_cli_command_runs_as_written(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
     assert list(tmp_path.glob("**/model_int8.onnx"))
+
+
+MY_PKG = '''
+import lightning as L
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+
+
+class MyModule(L.LightningModule):
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), 1e-2)
+
+
+class MyData(L.LightningDataModule):
+    def setup(self, stage=None):
+        d = load_digits()
+        x = torch.tensor(d.images / 16.0, dtype=torch.float32).unsqueeze(1)
+        self.ds = torch.utils.data.TensorDataset(x, torch.tensor(d.target))
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.ds, batch_size=64, shuffle=True)
+
+    def test_dataloader(self):
+        return torch.utils.data.DataLoader(self.ds, batch_size=256)
+'''
+
+
+@pytest.mark.slow
+def test_hydra_own_model_line_runs_from_the_current_directory(tmp_path):
+    """README: `lq-train model._target_=my_pkg.MyModule data._target_=my_pkg.MyData`, with a my_pkg.py next
+    to where it runs (its --fast twin: a few epochs and batches)."""
+    (line,) = [ln for b in _blocks("bash") for ln in b.splitlines() if "model._target_=my_pkg" in ln]
+    (tmp_path / "my_pkg.py").write_text(MY_PKG)
+    args = line.split()[1:] + ["trainer=fast", "fp32_epochs=2", "qat_epochs=1", "calib.num_batches=2",
+                               f"hydra.run.dir={tmp_path / 'run'}"]
+    exe = shutil.which("lq-train")
+    launcher = [exe] if exe else [sys.executable, "-c", "from lq.cli import train; train()"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([*launcher, *args], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env=dict(env, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "accuracy: INT8 ONNX" in out.stdout
+    assert "takes no argument(s) ['channels', 'in_channels', 'lr', 'max_epochs_hint', 'num_classes']" in out.stderr
+    assert (tmp_path / "run" / "model_int8.onnx").exists()
