@@ -113,7 +113,9 @@ class QuantizerConfig:
         try:
             return QuantDescriptor(**kwargs)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{type(self).__name__}: {e}") from None
+            # the descriptor's hint is in its own terms; a config chooses FP8 with a field of its own
+            msg = str(e).replace("use num_bits=(4, 3) for FP8 E4M3", "or format='fp8_e4m3' for FP8 E4M3")
+            raise ValueError(f"{type(self).__name__}: {msg}") from None
 
 
 def _weight_per_channel() -> QuantizerConfig:

@@ -164,3 +164,15 @@ def test_recipe_names_are_accepted_from_python():
     assert type(lq.QuantCallback(quant="int8_reduce_range").quant) is C.Int8ReduceRangeConfig
     with pytest.raises(ValueError, match=r"'int8' is not a recipe: choose one of \['int8_per_tensor'"):
         lq.QuantCallback(quant="int8")
+
+
+def test_typos_get_the_closest_field_and_config_errors_speak_config():
+    from lq.cli import unknown_override
+
+    assert "did you mean 'calib.method'" in unknown_override(["calib.methd=max"])
+    assert "did you mean 'fp32_epochs'" in unknown_override(["fp32_epoch=3"])
+    assert "did you mean 'quant.weight.num_bits'" in unknown_override(["quant.weight.num_bit=7"])
+    assert unknown_override(["calib.method=max", "trainer.max_epochs=2", "model._target_=x.Y", "+qat.foo=1",
+                             "quant=int8_per_tensor", "hydra.run.dir=out", "seed=3"]) == ""
+    with pytest.raises(ValueError, match=r"num_bits=20 is not supported: .*or format='fp8_e4m3' for FP8"):
+        C.QuantizerConfig(num_bits=20)

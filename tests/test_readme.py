@@ -107,3 +107,19 @@ def test_hydra_own_model_line_runs_from_the_current_directory(tmp_path):
     assert "accuracy: INT8 ONNX" in out.stdout
     assert "takes no argument(s) ['channels', 'in_channels', 'lr', 'max_epochs_hint', 'num_classes']" in out.stderr
     assert (tmp_path / "run" / "model_int8.onnx").exists()
+
+
+def test_bad_values_give_one_line_not_a_traceback(tmp_path):
+    exe = shutil.which("lq-cli")
+    launcher = [exe] if exe else [sys.executable, "-c", "from lq.cli import lightning_cli; lightning_cli()"]
+    out = subprocess.run([*launcher, "fit", "--model", "lq.zoo.SmallCNN", "--data", "lq.zoo.DigitsDataModule",
+                          "--trainer.max_epochs=1", "--trainer.callbacks+=lq.QuantCallback",
+                          "--trainer.callbacks.calib.method=kl"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2
+    assert "lq-cli: CalibConfig.method='kl' is not allowed: choose one of ['max'" in out.stderr
+    assert "Traceback" not in out.stderr
+    exe = shutil.which("lq-train")
+    launcher = [exe] if exe else [sys.executable, "-c", "from lq.cli import train; train()"]
+    out = subprocess.run([*launcher, "calib.methd=max"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "did you mean 'calib.method'" in out.stderr and "Traceback" not in out.stderr

@@ -270,7 +270,8 @@ def _export_legacy(model, args, opset, input_names, output_names, dims) -> onnx.
 
 @contextlib.contextmanager
 def _quiet_torch_onnx():
-    names = ["torch.onnx", "torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes", "onnxscript"]
+    names = ["torch.onnx", "torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes", "onnxscript",
+             "onnx_ir"]
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
