@@ -257,7 +257,17 @@ def _lower_static_block(g: Graph, n, layer, opts, infos, xc, amax, num_bits, uns
             scale = scale.reshape(xs[:a] + [xs[a]] + xs[axis + 1:])
             axis, out = a, cons[0].output[0]
             g.nodes.remove(cons[0])
-    qname = g.add_const(f"{hint}/weight_quantized", q.astype(_NP[et]))
+    return _blocked_weight_dq(g, n, layer, infos, q, et, scale, axis, block, out, hint)
+
+
+def _blocked_weight_dq(g: Graph, n, layer, infos, q: np.ndarray, et: int, scale, axis: int, block: int, out: str,
+                       hint: str) -> list:
+    """The integers of a block-quantized weight as a constant read by one blocked DequantizeLinear."""
+    if et in (TensorProto.INT4, TensorProto.UINT4):
+        t = helper.make_tensor("w", et, list(q.shape), q.astype(np.int64).ravel().tolist())
+        qname = g.add_const(f"{hint}/weight_quantized", None, proto=t)
+    else:
+        qname = g.add_const(f"{hint}/weight_quantized", q.astype(_NP[et]))
     sname = g.add_const(f"{hint}/scale", scale)
     zp = _zero_point(g, et, scale.shape)
     infos.append(QuantNodeInfo(layer, "weight", TYPE_NAMES[et], axis, scale, block_size=block))
@@ -334,17 +344,7 @@ def _lower_block(g: Graph, n, layer, opts, infos, xc):
     if num_bits <= 4:
         et = TensorProto.UINT4 if unsigned else TensorProto.INT4
     qv = q.numpy().reshape(x.shape)
-    hint = layer.replace(".", "/")
-    if et in (TensorProto.INT4, TensorProto.UINT4):
-        t = helper.make_tensor("w", et, list(qv.shape), qv.astype(np.int64).ravel().tolist())
-        qname = g.add_const(f"{hint}/weight_quantized", None, proto=t)
-    else:
-        qname = g.add_const(f"{hint}/weight_quantized", qv.astype(_NP[et]))
-    sname = g.add_const(f"{hint}/scale", scale)
-    zp = _zero_point(g, et, scale.shape)
-    infos.append(QuantNodeInfo(layer, "weight", TYPE_NAMES[et], axis, scale, block_size=block))
-    return [g.make_node("DequantizeLinear", [qname, sname, zp], [out], hint=f"{hint}/DequantizeLinear", like=n,
-                        axis=axis, block_size=block)]
+    return _blocked_weight_dq(g, n, layer, infos, qv, et, scale, axis, block, out, layer.replace(".", "/"))
 
 
 def _lower_affine(g: Graph, n, layer, opts, infos, x_rank):
