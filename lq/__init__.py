@@ -3,18 +3,27 @@
 The numerics and API follow NVIDIA's pytorch-quantization toolkit
 (``lq.tensor_quant``, ``lq.nn``, ``lq.calib``, ``lq.quant_modules``); the
 Lightning side is :class:`lq.QuantCallback` and its parts in
-:mod:`lq.callbacks`. Lightning-dependent names load on first use, so
-``import lq`` stays light.
+:mod:`lq.callbacks`. Every name loads on first use, so ``import lq`` stays
+light and never builds the C++ kernels: the first module that runs ops
+(``lq.tensor_quant``, and everything built on it) loads them, building once.
 """
 
 from importlib import import_module
 
-from lq import tensor_quant
-from lq._ext import is_loaded as extension_loaded
+from lq import _ext
 
 __version__ = "0.1.0"
 
+
+def extension_loaded() -> bool:
+    """Whether lq's ops run on the compiled C++/CUDA kernels (loading them, once, if nothing has yet)."""
+    from lq import _ops  # noqa: F401  (defines the ops and loads the kernels)
+
+    return _ext.is_loaded()
+
+
 _LAZY = {
+    "tensor_quant": ("lq.tensor_quant", None),
     "nn": ("lq.nn", None),
     "calib": ("lq.calib", None),
     "quant_modules": ("lq.quant_modules", None),

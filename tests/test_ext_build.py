@@ -71,3 +71,15 @@ def test_build_ext_help_prints_usage_and_builds_nothing(monkeypatch, capsys):
     monkeypatch.setattr(_ext, "build", lambda *a, **k: pytest.fail("--help must not build"))
     assert _ext.main() == 0
     assert "usage: lq-build-ext" in capsys.readouterr().out
+
+
+def test_import_lq_builds_nothing(tmp_path):
+    """``import lq`` is light: only a module that runs ops loads (and, once, builds) the kernels."""
+    code = ("import os, lq\n"
+            "print('loaded', lq._ext.is_loaded())\n"
+            "print('cache', os.path.exists(os.environ['LQ_EXT_CACHE']) and os.listdir(os.environ['LQ_EXT_CACHE']))")
+    env = dict(os.environ, LQ_EXT_CACHE=str(tmp_path / "empty_cache"))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "loaded False" in p.stdout and "cache False" in p.stdout
+    assert "building the C++ kernels" not in p.stderr
