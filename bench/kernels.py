@@ -169,7 +169,7 @@ def _run(args, rounds) -> int:
 
     print(f"lq CPU kernel benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"CPU capability {_ext.cpu_capability()}, C++ extension "
-          f"{'loaded' if _ext.is_loaded() else 'NOT loaded (reference kernels: numbers are not the kernels)'}, "
+          f"{'loaded' if _ext.load() else 'NOT loaded (reference kernels: numbers are not the kernels)'}, "
           f"median of {rounds} rounds, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     gen = torch.Generator().manual_seed(0)
     x32 = torch.randn(16 * 1024 * 1024, generator=gen)

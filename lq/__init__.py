@@ -3,27 +3,24 @@
 The numerics and API follow NVIDIA's pytorch-quantization toolkit
 (``lq.tensor_quant``, ``lq.nn``, ``lq.calib``, ``lq.quant_modules``); the
 Lightning side is :class:`lq.QuantCallback` and its parts in
-:mod:`lq.callbacks`. Every name loads on first use, so ``import lq`` stays
-light and never builds the C++ kernels: the first module that runs ops
-(``lq.tensor_quant``, and everything built on it) loads them, building once.
+:mod:`lq.callbacks`. Lightning-dependent names load on first use, and the C++
+kernels load (building once) when the first op runs, so ``import lq`` stays
+light.
 """
 
 from importlib import import_module
 
-from lq import _ext
+from lq import _ext, tensor_quant  # noqa: F401  (tensor_quant defines torch.ops.lq; nothing is built here)
 
 __version__ = "0.1.0"
 
 
 def extension_loaded() -> bool:
-    """Whether lq's ops run on the compiled C++/CUDA kernels (loading them, once, if nothing has yet)."""
-    from lq import _ops  # noqa: F401  (defines the ops and loads the kernels)
-
-    return _ext.is_loaded()
+    """Whether lq's ops run on the compiled C++/CUDA kernels (loading them, once, if no op has yet)."""
+    return _ext.load()
 
 
 _LAZY = {
-    "tensor_quant": ("lq.tensor_quant", None),
     "nn": ("lq.nn", None),
     "calib": ("lq.calib", None),
     "quant_modules": ("lq.quant_modules", None),

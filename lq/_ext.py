@@ -20,6 +20,7 @@ import hashlib
 import os
 import shutil
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -207,24 +208,38 @@ def _build_lock(build_dir: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+_LOAD_LOCK = threading.Lock()
+
+
 def load() -> bool:
-    """Load the kernels once; on failure keep the reference kernels and warn once."""
+    """Load the kernels (building them once); on failure keep the reference kernels and warn once.
+
+    Called by the first op that runs (not by ``import lq``); later calls cost one check, and a failed
+    build is not retried in the same process."""
     if _STATE["loaded"]:
         return True
-    if disabled():
+    if disabled() or _STATE["error"] is not None:
         return False
-    try:
-        _STATE["path"] = build()
-        _STATE["loaded"] = True
-    except Exception as e:  # noqa: BLE001 - any build failure means: use the reference
-        _STATE["error"] = f"{type(e).__name__}: {e}"
-        warnings.warn(
-            "lq: the C++ extension could not be built, so the pure-PyTorch reference kernels are used "
-            f"(correct but slower). Reason: {_STATE['error'][:2000]}. Set LQ_DISABLE_EXT=1 to silence this.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    with _LOAD_LOCK:  # two threads running their first op at once load the library once
+        if _STATE["loaded"] or _STATE["error"] is not None:
+            return _STATE["loaded"]
+        try:
+            _STATE["path"] = build()
+            _STATE["loaded"] = True
+        except Exception as e:  # noqa: BLE001 - any build failure means: use the reference
+            _STATE["error"] = f"{type(e).__name__}: {e}"
+            warnings.warn(
+                "lq: the C++ extension could not be built, so the pure-PyTorch reference kernels are used "
+                f"(correct but slower). Reason: {_STATE['error'][:2000]}. Set LQ_DISABLE_EXT=1 to silence this.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     return _STATE["loaded"]
+
+
+def attempted() -> bool:
+    """Whether loading was tried (or is switched off): the reference kernels stop asking after that."""
+    return _STATE["loaded"] or _STATE["error"] is not None or disabled()
 
 
 def is_loaded() -> bool:

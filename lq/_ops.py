@@ -12,15 +12,16 @@ One place defines every op (``SCHEMAS``). For each op this module registers
   ``CompositeExplicitAutograd`` kernel: it serves any device that has no
   compiled kernel, and every device when the extension is unavailable.
 
-Then it loads the compiled extension (:mod:`lq._ext`), whose C++/CUDA kernels
-register for the CPU/CUDA dispatch keys and take precedence there.
+The first op that runs loads the compiled extension (:mod:`lq._ext`, building it
+once), whose C++/CUDA kernels register for the CPU/CUDA dispatch keys and take
+precedence there; ``import lq`` alone builds nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lq import _checks, _reference
+from lq import _checks, _ext, _reference
 
 SCHEMAS = {
     "fake_quant": "fake_quant(Tensor x, Tensor amax, int num_bits, bool unsigned, bool narrow_range) -> Tensor",
@@ -90,8 +91,22 @@ _REFERENCE_KERNELS = {
     "fake_dynamic_block_quant": _ref_fake_dynamic_block_quant,
     "abs_histogram": _reference.abs_histogram,
 }
+def _loads_first(name: str, fn):
+    """The reference kernel, which on the first call of any lq op loads the compiled kernels (building them
+    once) and hands the call to them: ``import lq`` stays light and builds nothing. Afterwards the compiled
+    kernels serve CPU (and CUDA) directly and this runs only for devices they do not cover."""
+
+    def kernel(*args):
+        if not _ext.attempted() and _ext.load():
+            return getattr(torch.ops.lq, name)(*args)
+        return fn(*args)
+
+    kernel.__name__ = fn.__name__
+    return kernel
+
+
 for _name, _fn in _REFERENCE_KERNELS.items():
-    _lib.impl(_name, _fn, "CompositeExplicitAutograd")
+    _lib.impl(_name, _loads_first(_name, _fn), "CompositeExplicitAutograd")
 
 
 # --------------------------------------------------------------------------- fake (meta) impls
@@ -228,6 +243,4 @@ torch.library.register_autograd(
 
 
 # --------------------------------------------------------------------------- compiled kernels
-from lq import _ext  # noqa: E402  (the schemas above must exist before kernels register)
-
-EXTENSION_LOADED: bool = _ext.load()
+# The extension registers its kernels for these schemas when the first op runs (see _loads_first).

@@ -23,9 +23,9 @@ _STAT_KEYS = ("idle_bytes", "live_bytes", "hits", "misses", "limit_bytes")
 
 @lru_cache(maxsize=1)
 def _lib():
-    from lq import _ops  # noqa: F401  (builds/loads the extension)
+    from lq import _ops  # noqa: F401  (the op schemas the kernels register for)
 
-    if not _ext.is_loaded() or not _ext._STATE.get("path"):
+    if not _ext.load() or not _ext._STATE.get("path"):
         return None
     lib = ctypes.CDLL(_ext._STATE["path"])
     lib.lq_cpu_cache_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]

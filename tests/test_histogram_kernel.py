@@ -21,7 +21,7 @@ OPS = torch.ops.lq
 def ext():
     if _ext.disabled():
         pytest.skip("LQ_DISABLE_EXT is set: no compiled kernel to compare with the reference")
-    assert _ext.is_loaded(), f"lq's C++ extension did not build/load: {_ext._STATE['error']}"
+    assert _ext.load(), f"lq's C++ extension did not build/load: {_ext._STATE['error']}"
 
 
 def assert_same(got, want, what=""):

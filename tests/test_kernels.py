@@ -33,7 +33,7 @@ def ext():
     """Skip without the extension on purpose (LQ_DISABLE_EXT); fail when it should be there but is not."""
     if _ext.disabled():
         pytest.skip("LQ_DISABLE_EXT is set: no compiled kernel to compare with the reference")
-    assert _ext.is_loaded(), f"lq's C++ extension did not build/load: {_ext._STATE['error']}"
+    assert _ext.load(), f"lq's C++ extension did not build/load: {_ext._STATE['error']}"
     return True
 
 
