@@ -51,15 +51,15 @@ class Int16Risk:
                 f"({self.reason})")
 
 
-def weight_reduction_axes(op_type: str, node, ndim: int) -> tuple[int, int]:
-    """(output-channel axis, ndim) of a constant weight of ``node``: every other axis is reduced."""
+def output_axis(op_type: str, node, ndim: int) -> int:
+    """The output-channel axis of a constant weight of ``node``: every other axis is reduced over."""
     if op_type == "Conv":
-        return 0, ndim
+        return 0
     if op_type == "ConvTranspose":
-        return 1, ndim
+        return 1 % ndim
     if op_type == "Gemm":
-        return (0 if attr(node, "transB", 0) else 1), ndim
-    return ndim - 1, ndim  # MatMul: (..., K, N)
+        return 0 if attr(node, "transB", 0) else 1
+    return ndim - 1  # MatMul: (..., K, N)
 
 
 def worst_pair_per_channel(q: np.ndarray, out_axis: int) -> np.ndarray:
@@ -86,19 +86,22 @@ def _dq_dtype(g: Graph, dq) -> int | None:
 INTEGER_OPS = {"MatMulInteger": "MatMul", "ConvInteger": "Conv"}
 
 
+def _weight_risk(n, op_type: str, w: np.ndarray) -> Int16Risk | None:
+    """The risk of uint8 activations (up to 255) times the int8 constant ``w`` of ``n``, or None."""
+    per_ch = worst_pair_per_channel(w, output_axis(op_type, n, w.ndim))
+    pair = int(per_ch.max()) if per_ch.size else 0
+    if pair * ACTIVATION_CODE_MAX <= INT16_MAX:
+        return None
+    return Int16Risk(n.name, layer_name(n), n.op_type, pair * ACTIVATION_CODE_MAX,
+                     f"uint8 activations up to {ACTIVATION_CODE_MAX} x int8 weights with two magnitudes summing "
+                     f"to {pair}")
+
+
 def _risk(g: Graph, n, prod) -> tuple[Int16Risk | None, object]:
     """The saturation risk of one candidate node and the weight DequantizeLinear that causes it."""
     if n.op_type in INTEGER_OPS and len(n.input) >= 2:
         w = g.const(n.input[1])
-        if w is None or w.dtype != np.int8:
-            return None, None
-        out_axis, _ = weight_reduction_axes(INTEGER_OPS[n.op_type], n, w.ndim)
-        per_ch = worst_pair_per_channel(w, out_axis % w.ndim)
-        worst = int(per_ch.max()) * ACTIVATION_CODE_MAX if per_ch.size else 0
-        if worst <= INT16_MAX:
-            return None, None
-        return Int16Risk(n.name, layer_name(n), n.op_type, worst,
-                         f"uint8 activations x int8 weights with two magnitudes summing to {int(per_ch.max())}"), None
+        return (_weight_risk(n, INTEGER_OPS[n.op_type], w) if w is not None and w.dtype == np.int8 else None), None
     if n.op_type not in INTEGER_KERNEL_OPS or len(n.input) < 2:
         return None, None
     a, b = prod.get(n.input[0]), prod.get(n.input[1])
@@ -110,18 +113,11 @@ def _risk(g: Graph, n, prod) -> tuple[Int16Risk | None, object]:
     if ta not in (TensorProto.UINT8, TensorProto.INT8) or tb != TensorProto.INT8:
         return None, None  # uint8 x uint8 widens to int16 before multiplying: no pair can saturate
     wq = g.const(b.input[0])
-    if wq is None:
-        worst = 2 * ACTIVATION_CODE_MAX * 128
-        reason = "int8 operands computed in the graph: onnxruntime shifts one to uint8, the other stays full-range"
-    else:
-        out_axis, _ = weight_reduction_axes(n.op_type, n, wq.ndim)
-        per_ch = worst_pair_per_channel(wq, out_axis % wq.ndim)
-        worst = int(per_ch.max()) * ACTIVATION_CODE_MAX if per_ch.size else 0
-        reason = f"uint8 activations up to {ACTIVATION_CODE_MAX} x int8 weights with two magnitudes summing to " \
-                 f"{int(per_ch.max()) if per_ch.size else 0}"
-    if worst <= INT16_MAX:
-        return None, None
-    return Int16Risk(n.name, layer_name(n), n.op_type, worst, reason), b
+    if wq is not None:
+        return _weight_risk(n, n.op_type, wq), b
+    return Int16Risk(n.name, layer_name(n), n.op_type, 2 * ACTIVATION_CODE_MAX * 128,
+                     "int8 operands computed in the graph: onnxruntime shifts one to uint8, the other stays "
+                     "full-range"), b
 
 
 def int16_risks(model: onnx.ModelProto) -> list[Int16Risk]:
@@ -140,7 +136,7 @@ def encode_int16_safe(g: Graph) -> list[str]:
     """Re-encode the int8 weights of every risky integer kernel as uint8 with zero point 128 (same values).
 
     Returns the layers that were re-encoded. The uint8 integers are a new constant, so another reader of the
-    int8 ones keeps them; activations are left alone (a risky activation x activation product is reported by :func:`int16_risks`).
+    int8 ones keeps them; activations are left alone (:func:`int16_risks` reports a risky activation product).
     """
     prod = g.producers()
     done: list[str] = []
