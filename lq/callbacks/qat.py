@@ -137,9 +137,12 @@ class QATSchedule(L.Callback):
         import torch
 
         params = [(n, p) for n, p in pl_module.named_parameters() if p.grad is not None]
-        bad = [n for n, p in params if not torch.isfinite(p.grad).all()]
-        if not bad:
+        if not params:
             return
+        finite = [torch.isfinite(p.grad).all() for _, p in params]
+        if bool(torch.stack([f.to(finite[0].device) for f in finite]).all()):  # one host sync per step
+            return
+        bad = [n for (n, _), ok in zip(params, finite) if not bool(ok)]
         bad_amax = [n for n, q in iter_quantizers(pl_module) if q.learn_amax and isinstance(q.amax, torch.Tensor)
                     and q.amax.grad is not None and not torch.isfinite(q.amax.grad).all()]
         for _, p in params:
