@@ -88,6 +88,7 @@ def output_step(model) -> float:
     """
     from onnx import numpy_helper
 
+    from lq.export._finish import _dequantize
     from lq.export._ir import Graph
     from lq.export._rules import commutes
 
@@ -102,12 +103,8 @@ def output_step(model) -> float:
         q, s = const(dq.input[0]), const(dq.input[1])
         if q is None or s is None or any(a.name == "block_size" and a.i for a in dq.attribute):
             return None  # blocked weights (weight-only INT4): no integer kernel, no output step
-        zp = const(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else np.zeros(())
-        ax = next((a.i for a in dq.attribute if a.name == "axis"), 1) % q.ndim
-        shape = [-1 if d == ax else 1 for d in range(q.ndim)]
-        s = s.reshape(shape) if s.ndim == 1 else s
-        zp = zp.reshape(shape) if zp.ndim == 1 else zp
-        return (q - zp) * s
+        zp = const(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
+        return _dequantize(q, s, zp, next((a.i for a in dq.attribute if a.name == "axis"), 1))
 
     best = 0.0
     for out in model.graph.output:
