@@ -223,7 +223,9 @@ def run_job(cfg: JobConfig, *, print_table: bool = True) -> JobResult:
         if os.path.exists(int8_path):
             res.latency_ms[("int8", batch)] = ort_latency_ms(int8_path, sample)
 
-    res.layers = list(getattr(cb, "summary_rows", []) or [])
+    from lq import report
+
+    res.layers = report.with_kernels(list(getattr(cb, "summary_rows", []) or []), result)
     write_results(res, out)
     if print_table:
         print_results(res)

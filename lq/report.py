@@ -9,6 +9,48 @@ from torch import nn
 from lq.nn.modules.tensor_quantizer import iter_quantizers
 
 COLUMNS = ("quantizer", "bits", "axis", "amax", "method", "state")
+#: added once an export has run: what onnxruntime runs for the quantizer's layer
+KERNEL_COLUMN = "onnxruntime kernel"
+
+
+def columns(rows: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
+    """The table's columns: the kernel column only when some row has it (after an export)."""
+    return COLUMNS + ((KERNEL_COLUMN,) if any(KERNEL_COLUMN in r for r in rows) else ())
+
+
+def layer_of_quantizer(name: str) -> str:
+    """``"block.conv1._input_quantizer"`` -> ``"block.conv1"`` (the module that owns the quantizer)."""
+    head, _, leaf = name.rpartition(".")
+    return head if leaf.endswith("quantizer") else name
+
+
+def with_kernels(rows: list[dict], result) -> list[dict]:
+    """The quantizer rows with the kernel onnxruntime runs for each one's layer (from an ``ExportResult``)."""
+    if not getattr(result, "layer_kernels", None):
+        return rows
+    out = []
+    for r in rows:
+        layer = layer_of_quantizer(r["quantizer"])
+        kernel = result.kernel_of(layer)
+        if kernel is None:  # e.g. an attention block's inner quantizers: report the block's own kernels
+            kernel = next((result.kernel_of(k.layer) for k in result.layer_kernels
+                           if k.layer.startswith(layer + ".")), None)
+        out.append({**r, KERNEL_COLUMN: kernel or "-"})
+    return out
+
+
+def kernel_table(result, title: str = "what onnxruntime runs for each quantized layer"):
+    """A rich table: layer, exported op, onnxruntime kernel, why float."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in ("layer", "op", "onnxruntime kernel", "why float"):
+        table.add_column(c)
+    for k in result.layer_kernels:
+        table.add_row(k.layer, k.op, k.kernel, k.reason or "")
+    if result.speedup is not None:
+        table.caption = f"speed on the sample: {result.speedup:.2f}x FP32 (onnxruntime, 1 thread)"
+    return table
 
 
 def _amax_text(q) -> str:
@@ -47,18 +89,21 @@ def quantizer_rows(model: nn.Module, methods: Optional[Mapping[str, str]] = None
 def rich_table(rows: Iterable[Mapping[str, Any]], title: str = "lq quantization summary"):
     from rich.table import Table
 
+    rows = list(rows)
+    cols = columns(rows)
     table = Table(title=title)
-    for c in COLUMNS:
+    for c in cols:
         table.add_column(c, justify="right" if c in ("amax",) else "left")
     for r in rows:
-        table.add_row(*(str(r[c]) for c in COLUMNS))
+        table.add_row(*(str(r.get(c, "-")) for c in cols))
     return table
 
 
 def markdown_table(rows: Iterable[Mapping[str, Any]]) -> str:
     rows = list(rows)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
+    cols = columns(rows)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 

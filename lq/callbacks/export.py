@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lq.config import ExportConfig, coerce
 
@@ -111,7 +111,16 @@ class QuantExport(L.Callback):
         if diff is not None:
             tol = getattr(result, "tolerance", self.export.tolerance)
             msg += f" (onnxruntime vs PyTorch max |diff| = {diff:.3g}" + (f", tolerance {tol:.3g})" if tol else ")")
+        speed = getattr(result, "speedup", None)
+        if speed is not None:
+            msg += f"; {speed:.2f}x the FP32 speed in onnxruntime on the sample"
         rank_zero_info(msg)
+        if getattr(result, "layer_kernels", None):
+            from lq import report
+
+            report.print_rich(report.kernel_table(result))
+        for w in getattr(result, "warnings", []):  # slower than FP32, layers left float, re-encoded weights ...
+            rank_zero_warn(f"lq export: {w}")
 
     def state_dict(self) -> dict:
         return {"path": self.path}

@@ -20,6 +20,7 @@ from lq.export._export import (
 )
 from lq.export._fold_bn import FoldRecord
 from lq.export._ir import ExportError, QuantNodeInfo
+from lq.export._kernel_report import LayerKernel
 from lq.export._verify import INT8_KERNELS, optimized_op_counts
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "ExportError",
     "VerificationError",
     "QuantNodeInfo",
+    "LayerKernel",
     "FoldRecord",
     "find_uncalibrated_quantizers",
     "optimized_op_counts",

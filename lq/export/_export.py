@@ -18,7 +18,9 @@ import numpy as np
 import onnx
 import torch
 
-from lq.export import _finish, _fold_bn, _fold_constants, _int16, _kernel_report, _lower, _placement, _symbolic, _verify
+from lq.export import (_finish, _float_twin, _fold_bn, _fold_constants, _int16, _kernel_report, _lower, _placement,
+                       _symbolic, _timing, _verify)
+from lq.export._kernel_report import LayerKernel
 from lq.export._fold_bn import FoldRecord
 from lq.export._ir import ExportError, Graph, QuantNodeInfo, layer_name
 
@@ -55,6 +57,11 @@ class ExportResult:
         uint8_weights: layers whose int8 weights were stored as uint8 with zero point 128 (the same values) because
             onnxruntime's u8 x s8 kernels could saturate int16 on them on CPUs without VNNI (see ``_int16``).
         export_seconds: wall time of the export (PyTorch -> ONNX -> rewrites), without verification.
+        layer_kernels: for every quantized conv/gemm/matmul (and quantized join or pool), the kernel onnxruntime
+            runs and, when it is float, why (target onnxruntime with ``check_fusion``).
+        speedup: FP32 time / INT8 time in onnxruntime on the sample (1 thread, median of interleaved runs
+            against the same graph without its quantizers); None when not measured. Below 1 a warning names
+            the layers that run in float.
     """
 
     path: str
@@ -73,6 +80,13 @@ class ExportResult:
     warnings: list[str] = dataclasses.field(default_factory=list)
     export_seconds: float = 0.0
     uint8_weights: list[str] = dataclasses.field(default_factory=list)
+    layer_kernels: list[LayerKernel] = dataclasses.field(default_factory=list)
+    speedup: float | None = None
+
+    def kernel_of(self, layer: str) -> str | None:
+        """What onnxruntime runs for ``layer`` (e.g. ``QLinearConv``, or ``Conv (float: <why>)``), None if unknown."""
+        texts = [k.text() for k in self.layer_kernels if k.layer == layer]
+        return ", ".join(dict.fromkeys(texts)) if texts else None
 
     @property
     def quantized_layers(self) -> list[str]:
@@ -94,6 +108,11 @@ class ExportResult:
             lines.append(f"  BatchNorm folded: {', '.join(folded)}")
         if self.int8_kernels:
             lines.append("  onnxruntime INT8 kernels: " + ", ".join(f"{k} x{v}" for k, v in self.int8_kernels.items()))
+        if self.layer_kernels:
+            n_int = sum(k.integer for k in self.layer_kernels)
+            lines.append(f"  layers on integer kernels: {n_int} of {len(self.layer_kernels)}")
+        if self.speedup is not None:
+            lines.append(f"  onnxruntime speed on the sample (1 thread): {self.speedup:.2f}x the FP32 graph")
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)
@@ -464,6 +483,9 @@ def export_onnx(
     except Exception as e:
         raise ExportError(f"torch.onnx export ({exporter}) failed: {type(e).__name__}: {_short(e)}") from e
 
+    timed = verify and check_fusion and target == "onnxruntime"
+    twin = _float_twin.float_twin(proto) if timed else None
+
     # --- graph rewrites
     g = Graph(proto)
     infos: list[QuantNodeInfo] = []
@@ -577,9 +599,13 @@ def export_onnx(
                 f"output quantization step {step:.3g}). The model was saved as {_unverified(path)}; {path} was "
                 "not written")
     _atomic_save(proto, path)
+    kernels: list[LayerKernel] = []
     if check_fusion:
         try:
-            ort_ops = _verify.optimized_op_counts(path, providers)
+            optimized = _verify.optimized_model(path, providers)
+            ort_ops = Counter(n.op_type for n in optimized.graph.node)
+            if target == "onnxruntime":
+                kernels = _kernel_report.layer_kernels(proto, optimized, layer_of)
         except Exception as e:  # pragma: no cover - diagnostics only
             notes.append(f"could not inspect onnxruntime's optimized graph: {_short(e)}")
     if check_fusion and target == "onnxruntime" and ort_ops:
@@ -587,11 +613,33 @@ def export_onnx(
         if n_float:
             why = "; ".join(unfused) if unfused else "see onnxruntime's optimized graph"
             notes.append(f"onnxruntime runs {n_float} conv/gemm/matmul in float: {why}")
+    speed = None
+    if twin is not None:
+        speed = _speed_note(data, twin, cases[0][0], providers, kernels, notes)
     return ExportResult(
         path=path, opset=opset, exporter=exporter, max_abs_diff=max_diff, tolerance=tol, providers=providers,
         file_size=os.path.getsize(path), quantized=infos, folded_bn=folds, ort_ops=ort_ops,
         qdq_nodes=_count_qdq(proto), input_names=input_names, output_names=output_names, warnings=notes,
-        export_seconds=export_seconds, uint8_weights=u8_weights)
+        export_seconds=export_seconds, uint8_weights=u8_weights, layer_kernels=kernels, speedup=speed)
+
+
+def _speed_note(int8_model: bytes, twin, inputs, providers, kernels: list[LayerKernel], notes: list[str]):
+    """Time the INT8 file against its FP32 twin; below 1x, add a warning naming the float layers."""
+    feeds = [a.numpy() for a in inputs if isinstance(a, torch.Tensor)]
+    try:
+        ratio, int8_ms, fp32_ms = _timing.speedup(int8_model, twin.SerializeToString(), feeds, providers)
+    except Exception as e:  # diagnostics only: a failure to time never fails the export
+        notes.append(f"could not time the INT8 file against FP32: {_short(e, 300)}")
+        return None
+    if ratio < 1.0:
+        floats = [f"{k.layer} ({k.kernel}: {k.reason})" for k in kernels if not k.integer]
+        notes.append(
+            f"the INT8 file runs at {ratio:.2f}x the speed of FP32 in onnxruntime on the sample (1 thread, "
+            f"{int8_ms:.3g} ms vs {fp32_ms:.3g} ms): "
+            + (f"{len(floats)} quantized layer(s) run in float between Q/DQ: " + "; ".join(floats) if floats else
+               "every quantized layer runs an integer kernel; the Q/DQ conversions cost more than they save "
+               "at this size"))
+    return ratio
 
 
 def _unverified(path: str) -> str:

@@ -1,10 +1,58 @@
-"""Why a conv/gemm/matmul stays float in onnxruntime: one reason per layer for the export report."""
+"""Which kernel onnxruntime runs for every quantized layer, and why a layer stays float.
+
+The answer comes from onnxruntime's own optimized graph (the fused nodes keep the name of the node they
+replace), not from a prediction: a quantized conv that onnxruntime could not fuse shows up as the float
+``Conv``/``FusedConv`` it really runs. The reason for a float layer is read from the exported graph: what is
+missing around it for onnxruntime's QDQ fusion (an unquantized input, or an output that a float op reads).
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import onnx
 
 from lq.export._ir import Graph
+from lq.export._verify import INT8_KERNELS
+
+#: exported ops a layer's kernel is reported for (the compute ops and the quantized joins/pools)
+_COMPUTE = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+_JOINS = ("Add", "Mul", "Concat", "AveragePool", "GlobalAveragePool")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKernel:
+    """One exported op of a quantized layer and what onnxruntime runs for it."""
+
+    layer: str
+    op: str  # the op in the exported file
+    kernel: str  # the op onnxruntime runs (QLinearConv, QGemm, MatMulIntegerToFloat ... or a float op)
+    reason: str | None = None  # why it is float (None when it is an integer kernel)
+
+    @property
+    def integer(self) -> bool:
+        return self.kernel in INT8_KERNELS
+
+    def text(self) -> str:
+        return self.kernel if self.integer else f"{self.kernel} (float: {self.reason})"
+
+
+def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict) -> str | None:
+    """Why onnxruntime cannot fuse ``n`` into an integer kernel, read from the exported graph (None: it can)."""
+    data_inputs = n.input[:2] if n.op_type in _COMPUTE else [i for i in n.input if i and not g.is_const(i)]
+    if any(prod.get(i) is None or prod[i].op_type != "DequantizeLinear" for i in data_inputs):
+        return "input or weight is not quantized"
+    users = cons.get(n.output[0], [])
+    if n.op_type in ("Gemm", "MatMul") and not users and n.output[0] in g.graph_outputs:
+        return None  # onnxruntime's QGemm / MatMulIntegerToFloat give a float output directly
+    if n.output[0] in g.graph_outputs:
+        return "its output is a model output (no quantizer reads it)"
+    if not users or any(u.op_type != "QuantizeLinear" for u in users):
+        readers = sorted({u.op_type for u in users if u.op_type != "QuantizeLinear"})
+        return (f"its output is read by {', '.join(readers)} without a quantizer "
+                "(quantize the reader's inputs, e.g. QuantAdd for a residual add)")
+    return None
+
 
 def unfused_layers(model: onnx.ModelProto, layer_of: dict[str, str]) -> list[str]:
     """Conv/Gemm/MatMul nodes onnxruntime cannot turn into an INT8 kernel, each with the reason."""
@@ -12,20 +60,54 @@ def unfused_layers(model: onnx.ModelProto, layer_of: dict[str, str]) -> list[str
     prod, cons = g.producers(), g.consumers()
     out = []
     for n in g.nodes:
-        if n.op_type not in ("Conv", "Gemm", "MatMul"):
-            continue
-        name = layer_of.get(n.name) or n.name
-        ins = [prod.get(i) for i in n.input[:2]]
-        if any(p is None or p.op_type != "DequantizeLinear" for p in ins):
-            out.append(f"{name}: input or weight is not quantized")
-            continue
-        users = cons.get(n.output[0], [])
-        if n.op_type == "Conv" or users or n.output[0] not in g.graph_outputs:
-            if n.output[0] in g.graph_outputs:
-                out.append(f"{name}: its output is a model output (no quantizer reads it)")
-            elif not users or any(u.op_type != "QuantizeLinear" for u in users):
-                readers = sorted({u.op_type for u in users if u.op_type != "QuantizeLinear"})
-                out.append(f"{name}: its output is read by {', '.join(readers)} without a quantizer "
-                           "(quantize the reader's inputs, e.g. QuantAdd for a residual add)")
+        if n.op_type in _COMPUTE:
+            why = float_reason(n, g, prod, cons)
+            if why:
+                out.append(f"{layer_of.get(n.name) or n.name}: {why}")
     return out
 
+
+def _quantized(n: onnx.NodeProto, prod: dict) -> bool:
+    return any(prod.get(i) is not None and prod[i].op_type == "DequantizeLinear" for i in n.input)
+
+
+def _runs_as(n: onnx.NodeProto, opt_by_name: dict, opt_cons: dict, prod: dict) -> str:
+    """The optimized node standing for ``n``: same name, a name onnxruntime derived from it, or the node
+    that reads the same weight initializer (following a DequantizeLinear that was kept)."""
+    if n.name in opt_by_name:
+        return opt_by_name[n.name].op_type
+    derived = [m for name, m in opt_by_name.items() if n.name and name.startswith(n.name)]
+    if derived:
+        return derived[0].op_type
+    w = n.input[1] if len(n.input) > 1 else ""
+    p = prod.get(w)
+    source = p.input[0] if p is not None and p.op_type == "DequantizeLinear" else w
+    for reader in opt_cons.get(source, []):
+        if reader.op_type == "DequantizeLinear":
+            nxt = [r for r in opt_cons.get(reader.output[0], []) if r.op_type != "QuantizeLinear"]
+            if nxt:
+                return nxt[0].op_type
+        else:
+            return reader.op_type
+    return "unknown"
+
+
+def layer_kernels(model: onnx.ModelProto, optimized: onnx.ModelProto, layer_of: dict[str, str]) -> list[LayerKernel]:
+    """For every quantized compute op (and quantized join or pool) of ``model``: what onnxruntime runs."""
+    g = Graph(model)
+    prod, cons = g.producers(), g.consumers()
+    opt_by_name = {m.name: m for m in optimized.graph.node if m.name}
+    opt_cons: dict[str, list] = {}
+    for m in optimized.graph.node:
+        for i in m.input:
+            opt_cons.setdefault(i, []).append(m)
+    out = []
+    for n in g.nodes:
+        if n.op_type not in _COMPUTE + _JOINS or not _quantized(n, prod):
+            continue
+        kernel = _runs_as(n, opt_by_name, opt_cons, prod)
+        reason = None
+        if kernel not in INT8_KERNELS:
+            reason = float_reason(n, g, prod, cons) or "onnxruntime did not fuse it (see its optimized graph)"
+        out.append(LayerKernel(layer_of.get(n.name) or n.name, n.op_type, kernel, reason))
+    return out

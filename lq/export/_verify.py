@@ -67,15 +67,19 @@ def run(session, inputs) -> list[np.ndarray]:
     return session.run(None, feed)
 
 
-def optimized_op_counts(path: str, providers=None) -> Counter:
-    """Op types (with their domain for non-ONNX ops) of the graph onnxruntime actually runs."""
+def optimized_model(path_or_bytes, providers=None):
+    """The graph onnxruntime actually runs (all its fusions applied), as an ``onnx.ModelProto``."""
     import onnx
 
     with tempfile.TemporaryDirectory() as d:
         opt = os.path.join(d, "optimized.onnx")
-        make_session(path, providers, optimized_model_filepath=opt)
-        m = onnx.load(opt, load_external_data=False)
-    return Counter(n.op_type for n in m.graph.node)
+        make_session(path_or_bytes, providers, optimized_model_filepath=opt)
+        return onnx.load(opt, load_external_data=False)
+
+
+def optimized_op_counts(path: str, providers=None) -> Counter:
+    """Op types (with their domain for non-ONNX ops) of the graph onnxruntime actually runs."""
+    return Counter(n.op_type for n in optimized_model(path, providers).graph.node)
 
 
 def output_step(model) -> float:

@@ -1,0 +1,142 @@
+"""The export says which kernel onnxruntime runs for every quantized layer, and warns when INT8 is slower.
+
+The per-layer answer must agree with onnxruntime's own optimized graph (counted independently here), a
+float layer must come with its reason, and the FP32 graph the INT8 file is timed against must compute what
+the PyTorch model computes with its quantizers off (else the reported speed-up compares different models).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import lq.nn as qnn
+from lq import report
+from lq.calibration import calibrate_model
+from lq.convert import quantize_model
+from lq.export import INT8_KERNELS, _timing, export_onnx, optimized_op_counts
+
+ort = pytest.importorskip("onnxruntime")
+
+
+class ResidualNet(nn.Module):
+    """Conv -> ReLU -> conv, a QuantAdd residual, global pool, linear: every layer fuses in onnxruntime."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.c2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.add = qnn.QuantAdd()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.c1(x))
+        y = self.add(torch.relu(self.c2(y)), y)
+        return self.fc(self.pool(y).flatten(1))
+
+
+class GroupNormNet(nn.Module):
+    """A conv read by GroupNorm, as models are written today: onnxruntime cannot fuse that conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.gn = nn.GroupNorm(4, 16)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        y = nn.functional.silu(self.gn(self.c1(x)))
+        return self.fc(y.mean((2, 3)))
+
+
+def _quantized(model, x):
+    model = model.eval()
+    quantize_model(model)
+    calibrate_model(model, [x])
+    return model
+
+
+def _export(model, x, tmp_path, **kw):
+    return export_onnx(model, x, str(tmp_path / "m.onnx"), **kw)
+
+
+def test_integer_kernels_match_onnxruntimes_optimized_graph(tmp_path):
+    x = torch.randn(4, 3, 16, 16)
+    res = _export(_quantized(ResidualNet(), x), x, tmp_path)
+    kernels = {k.layer: k for k in res.layer_kernels}
+    assert {"c1", "c2", "fc"} <= set(kernels)
+    assert kernels["c1"].kernel == "QLinearConv" and kernels["c2"].kernel == "QLinearConv"
+    assert kernels["fc"].kernel == "QGemm"
+    assert all(k.reason is None for k in res.layer_kernels if k.integer)
+    # independent count: the compute kernels onnxruntime's optimized graph holds
+    ops = optimized_op_counts(res.path)
+    reported = [k.kernel for k in res.layer_kernels if k.op in ("Conv", "Gemm", "MatMul")]
+    assert sorted(reported) == sorted(
+        [op for op in ("QLinearConv", "QGemm") for _ in range(ops.get(op, 0))])
+    assert "layers on integer kernels" in res.summary()
+
+
+def test_float_layer_is_reported_with_its_reason(tmp_path):
+    x = torch.randn(4, 3, 16, 16)
+    res = _export(_quantized(GroupNormNet(), x), x, tmp_path)
+    c1 = next(k for k in res.layer_kernels if k.layer == "c1")
+    assert c1.kernel not in INT8_KERNELS and c1.kernel in optimized_op_counts(res.path)
+    assert "without a quantizer" in c1.reason
+    assert res.kernel_of("c1").startswith(c1.kernel + " (float: ")
+    assert next(k for k in res.layer_kernels if k.layer == "fc").kernel == "QGemm"
+
+
+def test_float_twin_is_the_model_without_quantizers(tmp_path, monkeypatch):
+    """The FP32 graph timed against the INT8 file computes the PyTorch model with quantization off."""
+    x = torch.randn(4, 3, 16, 16)
+    model = _quantized(GroupNormNet(), x)
+    seen = {}
+    real = _timing.speedup
+
+    def spy(int8_model, fp32_model, feeds, providers=None, **kw):
+        seen["fp32"] = fp32_model
+        return real(int8_model, fp32_model, feeds, providers, **kw)
+
+    monkeypatch.setattr(_timing, "speedup", spy)
+    res = _export(model, x, tmp_path)
+    assert res.speedup is not None and np.isfinite(res.speedup) and res.speedup > 0
+    sess = ort.InferenceSession(seen["fp32"], providers=["CPUExecutionProvider"])
+    (got,) = sess.run(None, {"input": x.numpy()})
+    for _, m in model.named_modules():
+        if isinstance(m, qnn.TensorQuantizer):
+            m.disable()
+    with torch.no_grad():
+        want = model(x).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_slower_than_fp32_warns_with_ratio_and_float_layers(tmp_path, monkeypatch):
+    x = torch.randn(4, 3, 16, 16)
+    monkeypatch.setattr(_timing, "speedup", lambda *a, **k: (0.52, 2.0, 1.04))
+    res = _export(_quantized(GroupNormNet(), x), x, tmp_path)
+    slow = [w for w in res.warnings if "the speed of FP32" in w]
+    assert len(slow) == 1 and "0.52x" in slow[0] and "c1 (" in slow[0]
+    assert "fc (" not in slow[0]  # fc runs QGemm: not responsible
+
+
+def test_no_slowdown_warning_when_faster(tmp_path, monkeypatch):
+    x = torch.randn(4, 3, 16, 16)
+    monkeypatch.setattr(_timing, "speedup", lambda *a, **k: (1.8, 1.0, 1.8))
+    res = _export(_quantized(ResidualNet(), x), x, tmp_path)
+    assert res.speedup == 1.8 and not any("the speed of FP32" in w for w in res.warnings)
+
+
+def test_quantizer_table_gets_the_kernel_column(tmp_path):
+    x = torch.randn(4, 3, 16, 16)
+    model = _quantized(GroupNormNet(), x)
+    res = _export(model, x, tmp_path)
+    rows = report.with_kernels(report.quantizer_rows(model), res)
+    by_q = {r["quantizer"]: r[report.KERNEL_COLUMN] for r in rows}
+    assert by_q["fc._input_quantizer"] == "QGemm" and by_q["fc._weight_quantizer"] == "QGemm"
+    assert "float:" in by_q["c1._input_quantizer"]
+    md = report.markdown_table(rows)
+    assert report.KERNEL_COLUMN in md.splitlines()[0]
+    assert report.KERNEL_COLUMN not in report.markdown_table(report.quantizer_rows(model)).splitlines()[0]
