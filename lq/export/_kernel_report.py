@@ -37,8 +37,10 @@ class LayerKernel:
         return self.kernel if self.integer else f"{self.kernel} (float: {self.reason})"
 
 
-def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict) -> str | None:
-    """Why onnxruntime cannot fuse ``n`` into an integer kernel, read from the exported graph (None: it can)."""
+def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: dict | None = None) -> str | None:
+    """Why onnxruntime cannot fuse ``n`` into an integer kernel, read from the exported graph (None: it can).
+
+    Readers are named by the PyTorch module they come from (``layer_of``) where known, else by op type."""
     data_inputs = n.input[:2] if n.op_type in _COMPUTE else [i for i in n.input if i and not g.is_const(i)]
     if any(prod.get(i) is None or prod[i].op_type != "DequantizeLinear" for i in data_inputs):
         return "input or weight is not quantized"
@@ -48,9 +50,18 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict) -> str | N
     if n.output[0] in g.graph_outputs:
         return "its output is a model output (no quantizer reads it)"
     if not users or any(u.op_type != "QuantizeLinear" for u in users):
-        readers = sorted({u.op_type for u in users if u.op_type != "QuantizeLinear"})
-        return (f"its output is read by {', '.join(readers)} without a quantizer "
-                "(quantize the reader's inputs, e.g. QuantAdd for a residual add)")
+        floats = [u for u in users if u.op_type != "QuantizeLinear"]
+        me = (layer_of or {}).get(n.name)
+        named = {}
+        for u in floats:
+            layer = (layer_of or {}).get(u.name)
+            named.setdefault(layer if layer not in (None, me) else "", set()).add(u.op_type)
+        readers = sorted(f"{layer} ({', '.join(sorted(ops))})" if layer else ", ".join(sorted(ops))
+                         for layer, ops in named.items())
+        hint = ("quantize the add's inputs, e.g. lq.nn.QuantAdd for a residual add"
+                if any(u.op_type == "Add" for u in floats) else
+                "onnxruntime runs a conv/gemm as an integer kernel only when a QuantizeLinear reads its output")
+        return f"its output is read by {', '.join(readers)} without a quantizer ({hint})"
     return None
 
 
@@ -61,7 +72,7 @@ def unfused_layers(model: onnx.ModelProto, layer_of: dict[str, str]) -> list[str
     out = []
     for n in g.nodes:
         if n.op_type in _COMPUTE:
-            why = float_reason(n, g, prod, cons)
+            why = float_reason(n, g, prod, cons, layer_of)
             if why:
                 out.append(f"{layer_of.get(n.name) or n.name}: {why}")
     return out
@@ -108,6 +119,6 @@ def layer_kernels(model: onnx.ModelProto, optimized: onnx.ModelProto, layer_of: 
         kernel = _runs_as(n, opt_by_name, opt_cons, prod)
         reason = None
         if kernel not in INT8_KERNELS:
-            reason = float_reason(n, g, prod, cons) or "onnxruntime did not fuse it (see its optimized graph)"
+            reason = float_reason(n, g, prod, cons, layer_of) or "onnxruntime did not fuse it (see its optimized graph)"
         out.append(LayerKernel(layer_of.get(n.name) or n.name, n.op_type, kernel, reason))
     return out
