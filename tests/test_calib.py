@@ -542,8 +542,10 @@ def test_calibrate_weights_attention_and_lstm():
     assert torch.equal(out["attn._in_proj_weight_quantizer"], w.abs().amax(dim=1, keepdim=True))
     assert torch.equal(out["attn.out_proj._weight_quantizer"],
                        model["attn"].out_proj.weight.detach().abs().amax(dim=1, keepdim=True))
-    lstm_names = [n for n in out if n.startswith("lstm.")]
-    assert len(lstm_names) >= 2, "the LSTM's input and hidden weights are calibrated too"
+    # the LSTM's input and hidden weights share one quantizer ([W_ih | W_hh], per row), calibrated on both
+    lstm = model["lstm"]
+    w = torch.cat([lstm.weight_ih_l0, lstm.weight_hh_l0], 1).detach()
+    assert torch.equal(out["lstm._weight_quantizers.0"].reshape(-1), w.abs().amax(dim=1))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence
 
 import lq.nn as quant_nn
 from lq import tensor_quant as tq
@@ -187,105 +186,7 @@ def test_float_add_cat_convert():
     assert torch.equal(model["cat"]([a, b]), torch.cat([fq(a, amax=amax), fq(b, amax=amax)], -1))
 
 
-# ---------------------------------------------------------------- LSTM
-def ref_lstm_cell(x, h, c, w_ih, w_hh, b_ih, b_hh):
-    """One LSTM step on fake-quantized input, hidden state and weights (per-row weights)."""
-    gates = F.linear(fq(x), fq(w_ih, axis=0), b_ih) + F.linear(fq(h), fq(w_hh, axis=0), b_hh)
-    i, f, g, o = gates.chunk(4, 1)
-    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    return torch.sigmoid(o) * torch.tanh(c), c
-
-
-def test_lstm_cell_matches_reference():
-    m = quant_nn.QuantLSTMCell(5, 6)
-    x, h, c = torch.randn(3, 5), torch.randn(3, 6) * 0.5, torch.randn(3, 6)
-    h1, c1 = m(x, (h, c))
-    eh, ec = ref_lstm_cell(x, h, c, m.weight_ih, m.weight_hh, m.bias_ih, m.bias_hh)
-    torch.testing.assert_close(h1, eh, rtol=0, atol=1e-6)
-    torch.testing.assert_close(c1, ec, rtol=0, atol=1e-6)
-    # default state and unbatched input, like nn.LSTMCell
-    h2, c2 = m(x[0])
-    eh, ec = ref_lstm_cell(x[:1], torch.zeros(1, 6), torch.zeros(1, 6), m.weight_ih, m.weight_hh, m.bias_ih,
-                           m.bias_hh)
-    torch.testing.assert_close(h2, eh[0], rtol=0, atol=1e-6)
-    assert h2.shape == (6,)
-
-
-def test_lstm_cell_disabled_equals_torch():
-    f = nn.LSTMCell(5, 6)
-    m = disable_all(quant_nn.QuantLSTMCell.from_float(f))
-    x = torch.randn(3, 5)
-    for a, b in zip(m(x), f(x), strict=True):
-        torch.testing.assert_close(a, b)
-
-
-def ref_lstm(m, x, h0, c0):
-    """Straightforward multi-layer (bi)LSTM over time-major ``x`` with fake-quantized matmul inputs."""
-    D = 2 if m.bidirectional else 1
-    layer_in, hn, cn = x, [], []
-    for layer in range(m.num_layers):
-        outs = []
-        for d in range(D):
-            sfx = f"_l{layer}" + ("_reverse" if d else "")
-            w_ih, w_hh = getattr(m, "weight_ih" + sfx), getattr(m, "weight_hh" + sfx)
-            b_ih, b_hh = getattr(m, "bias_ih" + sfx), getattr(m, "bias_hh" + sfx)
-            xq = fq(layer_in)  # the whole sequence shares one (dynamic) amax
-            h, c = h0[layer * D + d], c0[layer * D + d]
-            out = [None] * x.shape[0]
-            for t in (reversed(range(x.shape[0])) if d else range(x.shape[0])):
-                gates = F.linear(xq[t], fq(w_ih, axis=0), b_ih) + F.linear(fq(h), fq(w_hh, axis=0), b_hh)
-                i, f, g, o = gates.chunk(4, 1)
-                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-                h = torch.sigmoid(o) * torch.tanh(c)
-                out[t] = h
-            outs.append(torch.stack(out))
-            hn.append(h)
-            cn.append(c)
-        layer_in = torch.cat(outs, 2)
-    return layer_in, torch.stack(hn), torch.stack(cn)
-
-
-@pytest.mark.parametrize("bidirectional", [False, True])
-def test_lstm_matches_reference(bidirectional):
-    m = quant_nn.QuantLSTM(4, 5, num_layers=2, bidirectional=bidirectional, batch_first=True)
-    D = 2 if bidirectional else 1
-    assert len(m._input_quantizers) == 2 * D and len(m._hidden_quantizers) == 2 * D
-    x = torch.randn(3, 6, 4)  # batch first
-    h0, c0 = torch.randn(2 * D, 3, 5) * 0.5, torch.randn(2 * D, 3, 5)
-    out, (hn, cn) = m(x, (h0, c0))
-    e_out, e_h, e_c = ref_lstm(m, x.transpose(0, 1), h0, c0)
-    torch.testing.assert_close(out, e_out.transpose(0, 1), rtol=0, atol=1e-5)
-    torch.testing.assert_close(hn, e_h, rtol=0, atol=1e-5)
-    torch.testing.assert_close(cn, e_c, rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize(
-    "kwargs", [dict(num_layers=2, bidirectional=True), dict(batch_first=True, proj_size=3), dict(bias=False)]
-)
-def test_lstm_disabled_equals_torch(kwargs):
-    f = nn.LSTM(4, 5, **kwargs).eval()
-    m = disable_all(quant_nn.QuantLSTM.from_float(f))
-    x = torch.randn(6, 3, 4)
-    (a, (ah, ac)), (b, (bh, bc)) = m(x), f(x)
-    torch.testing.assert_close(a, b)
-    torch.testing.assert_close(ah, bh)
-    torch.testing.assert_close(ac, bc)
-    # unbatched input
-    torch.testing.assert_close(m(x[:, 0])[0], f(x[:, 0])[0])
-
-
-def test_lstm_packed_sequence_disabled_equals_torch():
-    f = nn.LSTM(4, 5, num_layers=2, bidirectional=True)
-    m = disable_all(quant_nn.QuantLSTM.from_float(f))
-    x = torch.randn(7, 4, 4)
-    lengths = torch.tensor([3, 7, 5, 1])
-    packed = pack_padded_sequence(x, lengths, enforce_sorted=False)
-    h0 = torch.randn(4, 4, 5)
-    (a, (ah, ac)), (b, (bh, bc)) = m(packed, (h0, h0)), f(packed, (h0, h0))
-    assert torch.equal(a.batch_sizes, b.batch_sizes) and torch.equal(a.unsorted_indices, b.unsorted_indices)
-    torch.testing.assert_close(a.data, b.data)
-    torch.testing.assert_close(ah, bh)
-    torch.testing.assert_close(ac, bc)
+# ---------------------------------------------------------------- LSTM: tests/test_quant_rnn.py
 
 
 # ---------------------------------------------------------------- multi-head attention
@@ -553,7 +454,57 @@ def test_keyword_forward_args_and_grad():
 
 def test_weight_quantizer_pairs():
     lstm = quant_nn.QuantLSTM(3, 4, bidirectional=True)
-    pairs = list(lstm.weight_quantizer_pairs())
-    assert len(pairs) == 4 and all(w.dim() == 2 for _, w in pairs)
+    pairs = list(lstm.weight_quantizer_pairs())  # one fused [W_ih | W_hh] per direction
+    assert len(pairs) == 2 and all(w.shape == (16, 3 + 4) for _, w in pairs)
     mha = quant_nn.QuantMultiheadAttention(4, 2)
     assert [w for _, w in mha.weight_quantizer_pairs()][0] is mha.in_proj_weight
+
+
+# ---------------------------------------------------------------- constructor errors (reference behaviour)
+FAKE_ONLY = [
+    lambda d: quant_nn.QuantLinear(7, 9, bias=False, quant_desc_weight=d),
+    lambda d: quant_nn.QuantLinear(7, 9, quant_desc_input=d),
+    lambda d: quant_nn.QuantConv2d(3, 4, 3, quant_desc_weight=d),
+    lambda d: quant_nn.QuantConvTranspose1d(3, 4, 3, quant_desc_input=d),
+    lambda d: quant_nn.QuantMaxPool2d(3, quant_desc_input=d),
+    lambda d: quant_nn.QuantAdaptiveAvgPool3d(1, quant_desc_input=d),
+    lambda d: quant_nn.QuantInstanceNorm1d(3, quant_desc_input=d),
+    lambda d: quant_nn.QuantLSTM(3, 4, quant_desc_weight=d),
+    lambda d: quant_nn.QuantLSTMCell(3, 4, quant_desc_input=d),
+    lambda d: quant_nn.QuantLinear.from_float(nn.Linear(2, 2), quant_desc_weight=d),
+    lambda d: quant_nn.QuantMaxPool1d.from_float(nn.MaxPool1d(2), quant_desc_input=d),
+    lambda d: quant_nn.QuantLinear(2, 2).init_quantizer(QuantDescriptor(), d),
+]
+
+
+@pytest.mark.parametrize("make", FAKE_ONLY)
+def test_integer_output_descriptors_are_refused(make):
+    """A module's float op cannot take the integers of fake_quant=False: ValueError, as in the reference."""
+    with pytest.raises(ValueError, match="Only fake quantization is supported"):
+        make(QuantDescriptor(fake_quant=False))
+    make(QuantDescriptor(fake_quant=True))  # the same call with fake quantization builds
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: quant_nn.QuantConv2d(32, 257, 3, descriptor="oops"),
+        lambda: quant_nn.QuantLinear(32, 257, descriptor="oops"),
+        lambda: quant_nn.QuantLSTM(3, 4, descriptor="oops"),  # nn.LSTM takes **kwargs: checked against RNNBase
+        lambda: quant_nn.QuantLSTMCell(3, 4, bias=False, descriptor="oops"),
+        lambda: quant_nn.QuantAvgPool2d(2, quant_desc_weight=QuantDescriptor()),
+    ],
+)
+def test_unknown_keywords_raise_unused_keys(make):
+    with pytest.raises(TypeError, match=r"Unused keys: \['(descriptor|quant_desc_weight)'\]"):
+        make()
+
+
+def test_pop_quant_desc_in_kwargs():
+    from lq.nn.modules._utils import pop_quant_desc_in_kwargs
+
+    qi, qw = pop_quant_desc_in_kwargs(quant_nn.QuantLinear, quant_desc_input=QuantDescriptor(num_bits=4))
+    assert qi.num_bits == 4 and qw == quant_nn.QuantLinear.default_quant_desc_weight
+    assert pop_quant_desc_in_kwargs(quant_nn.QuantMaxPool2d, input_only=True) == tq.QUANT_DESC_8BIT_PER_TENSOR
+    with pytest.raises(TypeError, match="Unused keys"):
+        pop_quant_desc_in_kwargs(quant_nn.QuantLinear, other=1)

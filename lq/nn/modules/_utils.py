@@ -54,6 +54,28 @@ def as_quant_descriptor(value, what: str = "quant_desc") -> QuantDescriptor:
     )
 
 
+def require_fake_quant(desc: QuantDescriptor, owner: str, what: str) -> QuantDescriptor:
+    """``desc`` itself, after checking it fake-quantizes: a module's float op cannot take the
+    integers a ``fake_quant=False`` quantizer returns (use a ``TensorQuantizer`` alone for those)."""
+    if not desc.fake_quant:
+        raise ValueError(
+            f"Only fake quantization is supported in quantized modules: {owner} got {what} with "
+            f"fake_quant=False (leave fake_quant=True)"
+        )
+    return desc
+
+
+def unused_keys_error(owner: str, keys, allowed: str) -> TypeError:
+    """The error for constructor keywords nobody takes (the words "Unused keys" are what
+    callers of the reference toolkit match on)."""
+    return TypeError(f"Unused keys: {sorted(keys)}; {owner} takes {allowed}")
+
+
+def _desc_args(cls) -> str:
+    """The descriptor keywords ``cls`` takes, in words."""
+    return "quant_desc_input and quant_desc_weight" if cls._has_weight else "quant_desc_input only (it has no weight)"
+
+
 def _tensor_quantizer_cls():
     # imported lazily: tensor_quantizer imports nothing from here, but keeping the import
     # late lets this file load on its own (and keeps import order free).
@@ -129,20 +151,25 @@ class QuantMixin:
     def _resolve_descs(cls, quant_desc_input=None, quant_desc_weight=None):
         qi = cls.default_quant_desc_input if quant_desc_input is None else quant_desc_input
         qi = as_quant_descriptor(qi, f"{cls.__name__} quant_desc_input")
+        require_fake_quant(qi, cls.__name__, "quant_desc_input")
         if not cls._has_weight:
             if quant_desc_weight is not None:
-                raise TypeError(f"{cls.__name__} quantizes its input only: quant_desc_weight is not accepted")
+                raise unused_keys_error(cls.__name__, ["quant_desc_weight"], _desc_args(cls))
             return qi, None
         qw = cls.default_quant_desc_weight if quant_desc_weight is None else quant_desc_weight
         qw = as_quant_descriptor(qw, f"{cls.__name__} quant_desc_weight")
+        require_fake_quant(qw, cls.__name__, "quant_desc_weight")
         return qi, qw
 
     def init_quantizer(self, quant_desc_input, quant_desc_weight, num_layers=None):
         """Create ``_input_quantizer`` and ``_weight_quantizer`` (or, with ``num_layers``,
         the ModuleLists ``_input_quantizers`` / ``_weight_quantizers``)."""
         TensorQuantizer = _tensor_quantizer_cls()
-        quant_desc_input = as_quant_descriptor(quant_desc_input, "quant_desc_input")
-        quant_desc_weight = as_quant_descriptor(quant_desc_weight, "quant_desc_weight")
+        owner = type(self).__name__
+        quant_desc_input = require_fake_quant(as_quant_descriptor(quant_desc_input, "quant_desc_input"), owner,
+                                              "quant_desc_input")
+        quant_desc_weight = require_fake_quant(as_quant_descriptor(quant_desc_weight, "quant_desc_weight"), owner,
+                                               "quant_desc_weight")
         if num_layers is None:
             self._input_quantizer = TensorQuantizer(quant_desc_input)
             self._weight_quantizer = TensorQuantizer(quant_desc_weight)
@@ -265,9 +292,10 @@ class QuantInputMixin(QuantMixin):
     def init_quantizer(self, quant_desc_input, quant_desc_weight=None, num_layers=None):
         """Create ``_input_quantizer``."""
         if quant_desc_weight is not None:
-            raise TypeError(f"{type(self).__name__} quantizes its input only: quant_desc_weight is not accepted")
+            raise unused_keys_error(type(self).__name__, ["quant_desc_weight"], _desc_args(type(self)))
         TensorQuantizer = _tensor_quantizer_cls()
-        self._input_quantizer = TensorQuantizer(as_quant_descriptor(quant_desc_input, "quant_desc_input"))
+        desc = as_quant_descriptor(quant_desc_input, "quant_desc_input")
+        self._input_quantizer = TensorQuantizer(require_fake_quant(desc, type(self).__name__, "quant_desc_input"))
 
     @property
     def weight_quantizer(self):
@@ -281,7 +309,8 @@ def pop_quant_desc_in_kwargs(quant_cls, input_only=False, **kwargs):
     qi = kwargs.pop("quant_desc_input", None)
     qw = kwargs.pop("quant_desc_weight", None)
     if kwargs:
-        raise TypeError(f"Unused keys: {sorted(kwargs)}")
+        allowed = "quant_desc_input" if input_only else "quant_desc_input and quant_desc_weight"
+        raise unused_keys_error(getattr(quant_cls, "__name__", str(quant_cls)), kwargs, allowed)
     qi = as_quant_descriptor(quant_cls.default_quant_desc_input if qi is None else qi, "quant_desc_input")
     if input_only:
         return qi
@@ -303,6 +332,20 @@ def quant_signature(float_cls: type, with_weight: bool) -> inspect.Signature:
     return sig.replace(parameters=params + extra + var_kw)
 
 
+def _keyword_params(float_cls: type):
+    """Names ``float_cls(...)`` takes as keywords: from the first ``__init__`` along the MRO
+    that lists them (``nn.LSTM`` forwards ``**kwargs`` to ``nn.RNNBase``); None when all
+    of them take ``**kwargs``."""
+    for klass in float_cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL} - {"self"}
+    return None
+
+
 def quant_class(cls):
     """Class decorator for ``class QuantX(nn.X, QuantMixin)``: records ``nn.X`` as the float
     class and, unless the class defines its own, gives it the constructor
@@ -311,7 +354,14 @@ def quant_class(cls):
     cls._float_module = float_cls
     if "__init__" not in cls.__dict__:
 
+        float_params = _keyword_params(float_cls)
+        takes_any = float_params is None
+        allowed = f"the arguments of torch.nn.{float_cls.__name__} plus {_desc_args(cls)}"
+
         def __init__(self, *args, quant_desc_input=None, quant_desc_weight=None, **kwargs):
+            unknown = [] if takes_any else [k for k in kwargs if k not in float_params]
+            if unknown:  # checked before anything is built, with the words the reference uses
+                raise unused_keys_error(cls.__name__, unknown, allowed)
             float_cls.__init__(self, *args, **kwargs)
             self._init_quant(quant_desc_input, quant_desc_weight)
 

@@ -1,19 +1,24 @@
-"""Quantized LSTM and LSTMCell.
+"""Quantized LSTM and LSTMCell, computing what pytorch-quantization's ``QuantLSTM`` defines.
 
-Every matmul input is fake-quantized: the layer input ``x_t``, the hidden
-state ``h_{t-1}`` and the weights ``W_ih``, ``W_hh`` (and ``W_hr`` with
-``proj_size``), each with its own quantizer, so the input and the hidden
-state (whose ranges differ a lot: ``h`` lives in (-1, 1)) get their own amax.
-The recurrence is computed step by step in PyTorch (one GEMM for the input
-projection of the whole sequence, one per step for the hidden state); with
-every quantizer disabled it matches ``torch.nn.LSTM``.
+Why this layout: at inference, one LSTM step of one layer and direction is a
+single GEMM of the step input and the previous hidden state side by side,
+``[x_t | h_{t-1}]``, with the gate weights side by side, ``[W_ih | W_hh]``. So
+each is quantized as ONE tensor:
 
-Quantizer names: ``QuantLSTMCell`` has ``_input_quantizer``,
-``_hidden_quantizer``, ``_weight_quantizer`` (``W_ih``) and
-``_weight_hh_quantizer``; ``QuantLSTM`` has ModuleLists with one quantizer per
-layer and direction (index ``layer * num_directions + direction``):
-``_input_quantizers``, ``_hidden_quantizers``, ``_weight_quantizers``,
-``_weight_hh_quantizers`` (and ``_weight_hr_quantizers``).
+* one input quantizer sees ``cat([x_t, h_{t-1}], dim=1)`` at every step (one amax
+  for both: uncalibrated, it is max |.| of that step's pair);
+* one weight quantizer sees ``cat([W_ih, W_hh], dim=1)`` (per row by default: a row
+  holds one gate unit's weights over the input and the hidden state);
+* biases and the cell state stay float; gates are in torch's order (i, f, g, o)
+  and each step is ``linear(x, W_ih, b_ih) + linear(h, W_hh, b_hh)``.
+
+``QuantLSTMCell`` has ``_input_quantizer`` / ``_weight_quantizer``; ``QuantLSTM`` has
+the ModuleLists ``_input_quantizers`` / ``_weight_quantizers`` with one entry per
+layer and direction (index ``layer * num_directions + direction``). Beyond the
+reference toolkit, ``QuantLSTM`` takes ``proj_size`` (``W_hr`` gets its own weight
+quantizer, ``_weight_hr_quantizers``), PackedSequence input (each step quantizes
+the rows of the sequences still running), unbatched input and ``from_float``.
+With every quantizer disabled both equal ``torch.nn.LSTM`` / ``LSTMCell``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence
 
 from lq import tensor_quant
 from lq.nn.modules._utils import QuantMixin, _tensor_quantizer_cls, quant_class
@@ -29,195 +34,186 @@ from lq.nn.modules._utils import QuantMixin, _tensor_quantizer_cls, quant_class
 __all__ = ["QuantLSTM", "QuantLSTMCell", "LSTM", "LSTMCell"]
 
 
-def _lstm_gates(x_proj, h_q, w_hh, b_hh, c):
-    gates = x_proj + F.linear(h_q, w_hh, b_hh)
-    i, f, g, o = gates.chunk(4, -1)
-    c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    h_new = torch.sigmoid(o) * torch.tanh(c_new)
-    return h_new, c_new
+def quantize_fused_weights(weight_quantizer, w_ih, w_hh):
+    """``[W_ih | W_hh]`` fake-quantized as one tensor, returned split back into its two parts."""
+    w = weight_quantizer(torch.cat([w_ih, w_hh], 1))
+    return w.split([w_ih.size(1), w_hh.size(1)], 1)
+
+
+def lstm_step(x, h, c, w_ih, w_hh, b_ih, b_hh, input_quantizer):
+    """One LSTM step on 2-D ``x``/``h``/``c``; ``w_ih``/``w_hh`` are already quantized.
+    ``[x | h]`` goes through ``input_quantizer`` as one tensor. Returns ``(h', c')``."""
+    xh = input_quantizer(torch.cat([x, h], 1))
+    x, h = xh.split([x.size(1), h.size(1)], 1)
+    gates = F.linear(x, w_ih, b_ih) + F.linear(h, w_hh, b_hh)
+    i, f, g, o = gates.chunk(4, 1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
 
 
 @quant_class
 class QuantLSTMCell(nn.LSTMCell, QuantMixin):
-    """``nn.LSTMCell`` with quantized input, hidden state and weights."""
+    """``nn.LSTMCell`` with ``[input | hidden]`` and ``[W_ih | W_hh]`` each fake-quantized as one tensor."""
 
     default_quant_desc_weight = tensor_quant.QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW
-    _quantizer_names = ("_input_quantizer", "_hidden_quantizer", "_weight_quantizer", "_weight_hh_quantizer")
-
-    def _setup_quantizers(self, quant_desc_input, quant_desc_weight):
-        TensorQuantizer = _tensor_quantizer_cls()
-        self._input_quantizer = TensorQuantizer(quant_desc_input)
-        self._hidden_quantizer = TensorQuantizer(quant_desc_input)
-        self._weight_quantizer = TensorQuantizer(quant_desc_weight)
-        self._weight_hh_quantizer = TensorQuantizer(quant_desc_weight)
 
     def weight_quantizer_pairs(self):
-        yield self._weight_quantizer, self.weight_ih
-        yield self._weight_hh_quantizer, self.weight_hh
+        yield self._weight_quantizer, torch.cat([self.weight_ih, self.weight_hh], 1)
 
     def forward(self, input, hx=None):
         if input.dim() not in (1, 2):
             raise ValueError(f"QuantLSTMCell: expected input to be 1D or 2D, got {input.dim()}D instead")
+        if input.size(-1) != self.input_size:
+            raise RuntimeError(f"input has inconsistent input_size: got {input.size(-1)}, expected {self.input_size}")
         batched = input.dim() == 2
         x = input if batched else input.unsqueeze(0)
         if hx is None:
-            zeros = torch.zeros(x.size(0), self.hidden_size, dtype=x.dtype, device=x.device)
-            h, c = zeros, zeros
+            h = c = torch.zeros(x.size(0), self.hidden_size, dtype=x.dtype, device=x.device)
         else:
-            h, c = hx
-            if not batched:
-                h, c = h.unsqueeze(0), c.unsqueeze(0)
-        x_proj = F.linear(self._input_quantizer(x), self._weight_quantizer(self.weight_ih), self.bias_ih)
-        w_hh = self._weight_hh_quantizer(self.weight_hh)
-        h, c = _lstm_gates(x_proj, self._hidden_quantizer(h), w_hh, self.bias_hh, c)
+            h, c = hx if batched else (hx[0].unsqueeze(0), hx[1].unsqueeze(0))
+            for label, t in (("[0]", h), ("[1]", c)):
+                if tuple(t.shape) != (x.size(0), self.hidden_size):
+                    raise RuntimeError(
+                        f"hidden{label} must be {(x.size(0), self.hidden_size)} for this input, got {tuple(t.shape)}"
+                    )
+        w_ih, w_hh = quantize_fused_weights(self._weight_quantizer, self.weight_ih, self.weight_hh)
+        h, c = lstm_step(x, h, c, w_ih, w_hh, self.bias_ih, self.bias_hh, self._input_quantizer)
         if not batched:
             h, c = h.squeeze(0), c.squeeze(0)
         return h, c
 
 
+def _steps(seq, batch_sizes):
+    """The per-step 2-D inputs of a layer: rows of a (T, B, F) tensor, or of packed data."""
+    return seq.unbind(0) if batch_sizes is None else seq.split(batch_sizes)
+
+
+def _join(outs, batch_sizes):
+    """Inverse of :func:`_steps` for a direction's outputs."""
+    return torch.stack(outs) if batch_sizes is None else torch.cat(outs)
+
+
 @quant_class
 class QuantLSTM(nn.LSTM, QuantMixin):
-    """``nn.LSTM`` (layers, bidirectional, batch_first, dropout, proj_size, PackedSequence)
-    with quantized layer inputs, hidden states and weights."""
+    """``nn.LSTM`` (layers, bidirectional, batch_first, dropout, proj_size, PackedSequence) with
+    ``[x_t | h_{t-1}]`` and ``[W_ih | W_hh]`` fake-quantized as one tensor each, per layer and direction."""
 
     default_quant_desc_weight = tensor_quant.QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW
-    _quantizer_names = (
-        "_input_quantizers",
-        "_hidden_quantizers",
-        "_weight_quantizers",
-        "_weight_hh_quantizers",
-        "_weight_hr_quantizers",
-    )
+    _quantizer_names = ("_input_quantizers", "_weight_quantizers", "_weight_hr_quantizers")
 
     @property
     def _num_directions(self) -> int:
         return 2 if self.bidirectional else 1
 
     def _setup_quantizers(self, quant_desc_input, quant_desc_weight):
-        TensorQuantizer = _tensor_quantizer_cls()
         n = self.num_layers * self._num_directions
-
-        def make(desc):
-            return nn.ModuleList(TensorQuantizer(desc) for _ in range(n))
-
-        self._input_quantizers = make(quant_desc_input)
-        self._hidden_quantizers = make(quant_desc_input)
-        self._weight_quantizers = make(quant_desc_weight)
-        self._weight_hh_quantizers = make(quant_desc_weight)
+        self.init_quantizer(quant_desc_input, quant_desc_weight, num_layers=n)
         if self.proj_size > 0:
-            self._weight_hr_quantizers = make(quant_desc_weight)
+            TensorQuantizer = _tensor_quantizer_cls()
+            self._weight_hr_quantizers = nn.ModuleList(TensorQuantizer(quant_desc_weight) for _ in range(n))
 
-    @property
-    def input_quantizer(self):
-        raise AttributeError("QuantLSTM has one quantizer per layer and direction: use _input_quantizers[i]")
-
-    @property
-    def weight_quantizer(self):
-        raise AttributeError("QuantLSTM has one quantizer per layer and direction: use _weight_quantizers[i]")
-
-    def _layer_weights(self, layer: int, direction: int):
+    def _layer_params(self, idx: int):
+        """``(w_ih, w_hh, b_ih, b_hh, w_hr)`` of layer-direction ``idx`` (None where absent)."""
+        layer, direction = divmod(idx, self._num_directions)
         sfx = f"_l{layer}" + ("_reverse" if direction else "")
-        w_ih = getattr(self, "weight_ih" + sfx)
-        w_hh = getattr(self, "weight_hh" + sfx)
-        b_ih = getattr(self, "bias_ih" + sfx) if self.bias else None
-        b_hh = getattr(self, "bias_hh" + sfx) if self.bias else None
-        w_hr = getattr(self, "weight_hr" + sfx) if self.proj_size > 0 else None
-        return w_ih, w_hh, b_ih, b_hh, w_hr
+        get = lambda name: getattr(self, name + sfx)  # noqa: E731
+        return (
+            get("weight_ih"),
+            get("weight_hh"),
+            get("bias_ih") if self.bias else None,
+            get("bias_hh") if self.bias else None,
+            get("weight_hr") if self.proj_size > 0 else None,
+        )
 
     def weight_quantizer_pairs(self):
-        for layer in range(self.num_layers):
-            for d in range(self._num_directions):
-                idx = layer * self._num_directions + d
-                w_ih, w_hh, _, _, w_hr = self._layer_weights(layer, d)
-                yield self._weight_quantizers[idx], w_ih
-                yield self._weight_hh_quantizers[idx], w_hh
-                if w_hr is not None:
-                    yield self._weight_hr_quantizers[idx], w_hr
+        for idx in range(self.num_layers * self._num_directions):
+            w_ih, w_hh, _, _, w_hr = self._layer_params(idx)
+            yield self._weight_quantizers[idx], torch.cat([w_ih, w_hh], 1)
+            if w_hr is not None:
+                yield self._weight_hr_quantizers[idx], w_hr
 
-    def _run_direction(self, x, h, c, layer, direction, mask):
-        idx = layer * self._num_directions + direction
-        w_ih, w_hh, b_ih, b_hh, w_hr = self._layer_weights(layer, direction)
-        x_proj = F.linear(self._input_quantizers[idx](x), self._weight_quantizers[idx](w_ih), b_ih)
-        w_hh = self._weight_hh_quantizers[idx](w_hh)
+    def _direction(self, steps, h, c, idx, reverse):
+        """Run layer-direction ``idx`` over ``steps`` (2-D step inputs in time order, the batch
+        shrinking for packed input: only the first rows are still running) from state ``h, c``.
+        Returns the outputs in time order and the final ``h, c``."""
+        w_ih, w_hh, b_ih, b_hh, w_hr = self._layer_params(idx)
+        w_ih, w_hh = quantize_fused_weights(self._weight_quantizers[idx], w_ih, w_hh)
         if w_hr is not None:
             w_hr = self._weight_hr_quantizers[idx](w_hr)
-        h_quant = self._hidden_quantizers[idx]
-        steps = range(x.size(0) - 1, -1, -1) if direction else range(x.size(0))
-        outs = [None] * x.size(0)
-        for t in steps:
-            h_new, c_new = _lstm_gates(x_proj[t], h_quant(h), w_hh, b_hh, c)
+        in_q = self._input_quantizers[idx]
+        outs = [None] * len(steps)
+        for t in reversed(range(len(steps))) if reverse else range(len(steps)):
+            n = steps[t].size(0)
+            if n == h.size(0):
+                h_new, c = lstm_step(steps[t], h, c, w_ih, w_hh, b_ih, b_hh, in_q)
+            else:  # packed input: rows n.. are finished (forward) or not started (reverse)
+                h_new, c_new = lstm_step(steps[t], h[:n], c[:n], w_ih, w_hh, b_ih, b_hh, in_q)
+                c = torch.cat([c_new, c[n:]])
             if w_hr is not None:
                 h_new = F.linear(h_new, w_hr)
-            if mask is None:
-                h, c = h_new, c_new
-                outs[t] = h_new
-            else:
-                m = mask[t].unsqueeze(1)
-                h = torch.where(m, h_new, h)
-                c = torch.where(m, c_new, c)
-                outs[t] = torch.where(m, h_new, torch.zeros_like(h_new))
-        return torch.stack(outs), h, c
+            h = h_new if n == h.size(0) else torch.cat([h_new, h[n:]])
+            outs[t] = h_new
+        return outs, h, c
+
+    def _initial_state(self, hx, batch, batched, like):
+        n = self.num_layers * self._num_directions
+        h_size = self.proj_size if self.proj_size > 0 else self.hidden_size
+        if hx is None:
+            h0 = torch.zeros(n, batch, h_size, dtype=like.dtype, device=like.device)
+            return h0, torch.zeros(n, batch, self.hidden_size, dtype=like.dtype, device=like.device)
+        h0, c0 = hx
+        if not batched:
+            if h0.dim() != 2 or c0.dim() != 2:
+                raise RuntimeError("For unbatched 2-D input, hx and cx should also be 2-D")
+            h0, c0 = h0.unsqueeze(1), c0.unsqueeze(1)
+        if tuple(h0.shape) != (n, batch, h_size):
+            raise RuntimeError(f"Expected hidden[0] size {(n, batch, h_size)}, got {tuple(h0.shape)}")
+        if tuple(c0.shape) != (n, batch, self.hidden_size):
+            raise RuntimeError(f"Expected hidden[1] size {(n, batch, self.hidden_size)}, got {tuple(c0.shape)}")
+        return h0, c0
 
     def forward(self, input, hx=None):
         packed = isinstance(input, PackedSequence)
         if packed:
-            x, lengths = pad_packed_sequence(input)  # (T, B, F), original batch order
-            batched = True
+            seq, batch_sizes = input.data, input.batch_sizes.tolist()
+            batched, batch = True, batch_sizes[0]
         else:
             if input.dim() not in (2, 3):
                 raise ValueError(f"QuantLSTM: expected input to be 2D or 3D, got {input.dim()}D instead")
-            batched = input.dim() == 3
-            x = input if batched else input.unsqueeze(1)
+            batched, batch_sizes = input.dim() == 3, None
+            seq = input if batched else input.unsqueeze(1)
             if self.batch_first and batched:
-                x = x.transpose(0, 1)
-            lengths = None
-        if x.size(-1) != self.input_size:
+                seq = seq.transpose(0, 1)
+            batch = seq.size(1)
+        if seq.size(-1) != self.input_size:
             raise RuntimeError(
-                f"input.size(-1) must be equal to input_size. Expected {self.input_size}, got {x.size(-1)}"
+                f"input.size(-1) must be equal to input_size. Expected {self.input_size}, got {seq.size(-1)}"
             )
-        T, B = x.shape[:2]
-        n = self.num_layers * self._num_directions
-        h_size = self.proj_size if self.proj_size > 0 else self.hidden_size
-        if hx is None:
-            h0 = torch.zeros(n, B, h_size, dtype=x.dtype, device=x.device)
-            c0 = torch.zeros(n, B, self.hidden_size, dtype=x.dtype, device=x.device)
-        else:
-            h0, c0 = hx
-            if not batched:
-                if h0.dim() != 2 or c0.dim() != 2:
-                    raise RuntimeError("For unbatched 2-D input, hx and cx should also be 2-D")
-                h0, c0 = h0.unsqueeze(1), c0.unsqueeze(1)
-            if tuple(h0.shape) != (n, B, h_size):
-                raise RuntimeError(f"Expected hidden[0] size {(n, B, h_size)}, got {tuple(h0.shape)}")
-            if tuple(c0.shape) != (n, B, self.hidden_size):
-                raise RuntimeError(f"Expected hidden[1] size {(n, B, self.hidden_size)}, got {tuple(c0.shape)}")
-        mask = None
-        if lengths is not None:
-            mask = torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)
-            mask = mask.to(x.device)
-        layer_in, h_n, c_n = x, [], []
+        h0, c0 = self._initial_state(hx, batch, batched, seq)
+        if packed and input.sorted_indices is not None:  # the state follows the length-sorted batch
+            h0, c0 = h0.index_select(1, input.sorted_indices), c0.index_select(1, input.sorted_indices)
+        h_n, c_n = [], []
         for layer in range(self.num_layers):
+            steps = _steps(seq, batch_sizes)
             outs = []
             for d in range(self._num_directions):
                 idx = layer * self._num_directions + d
-                out, h, c = self._run_direction(layer_in, h0[idx], c0[idx], layer, d, mask)
-                outs.append(out)
+                out, h, c = self._direction(steps, h0[idx], c0[idx], idx, reverse=d == 1)
+                outs.append(_join(out, batch_sizes))
                 h_n.append(h)
                 c_n.append(c)
-            layer_in = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-            if self.dropout and self.training and layer < self.num_layers - 1:
-                layer_in = F.dropout(layer_in, p=self.dropout, training=True)
-        out, h_n, c_n = layer_in, torch.stack(h_n), torch.stack(c_n)
+            seq = torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+            if self.dropout and layer < self.num_layers - 1:
+                seq = F.dropout(seq, p=self.dropout, training=self.training)
+        h_n, c_n = torch.stack(h_n), torch.stack(c_n)
         if packed:
-            if input.sorted_indices is not None:
-                out = out.index_select(1, input.sorted_indices)
-            data = torch.cat([out[t, :bs] for t, bs in enumerate(input.batch_sizes.tolist())])
-            return PackedSequence(data, input.batch_sizes, input.sorted_indices, input.unsorted_indices), (h_n, c_n)
+            if input.unsorted_indices is not None:
+                h_n, c_n = h_n.index_select(1, input.unsorted_indices), c_n.index_select(1, input.unsorted_indices)
+            out = PackedSequence(seq, input.batch_sizes, input.sorted_indices, input.unsorted_indices)
+            return out, (h_n, c_n)
         if not batched:
-            return out.squeeze(1), (h_n.squeeze(1), c_n.squeeze(1))
-        if self.batch_first:
-            out = out.transpose(0, 1)
-        return out, (h_n, c_n)
+            return seq.squeeze(1), (h_n.squeeze(1), c_n.squeeze(1))
+        return (seq.transpose(0, 1) if self.batch_first else seq), (h_n, c_n)
 
 
 LSTM = QuantLSTM
