@@ -1,4 +1,5 @@
-"""CI smoke run of the evidence harness: ``python -m bench.accuracy --fast`` and ``python -m bench.speed --fast``.
+"""CI smoke run of the evidence harness: ``python -m bench.accuracy --fast``, ``python -m bench.speed --fast``
+and ``python -m bench.ordinary --fast``.
 
 Both commands run as a user would run them (subprocesses, side by side), write their markdown and JSON
 into a temporary folder, and the outputs must have the expected rows with sane values. The numbers of
@@ -73,6 +74,7 @@ def runs(tmp_path_factory):
         "accuracy": [sys.executable, "-m", "bench.accuracy", "--fast", "--out", str(out / "acc"),
                      "--datasets", *datasets],
         "speed": [sys.executable, "-m", "bench.speed", "--fast", "--out", str(out / "speed")],
+        "ordinary": [sys.executable, "-m", "bench.ordinary", "--fast", "--out", str(out / "ordinary")],
     }
     procs = {k: subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for k, c in cmds.items()}
@@ -179,3 +181,23 @@ def test_speed_fast(runs):
                     "## Calibration", "## Run"):
         assert section in md
     assert "Command: `python -m bench.speed --fast" in md
+
+
+def test_ordinary_fast(runs):
+    """Models written without lq modules: every one exports, its INT8 file agrees with PyTorch's fake-quant
+    model, the kernel report counts its layers, and the table names the CPU."""
+    out, logs, _ = runs
+    res = _load(out / "ordinary" / "ordinary.json")
+    assert len(res["rows"]) == 4
+    for r in res["rows"]:
+        name = r["model"]
+        assert not [n for n in r["notes"] if "failed" in n], (name, r["notes"])
+        for recipe in ("lq INT8 (8-bit weights)", "lq INT8 (int8_reduce_range)"):
+            # the same 360 test images through onnxruntime and through PyTorch: at most 2 predictions differ
+            assert abs(r["acc"][recipe] - r["acc"][recipe + " (PyTorch)"]) <= 100 * 2 / 360 + 1e-6, (name, r["acc"])
+            k = r["kernels"][recipe]
+            assert 1 <= k["layers"] and 0 <= k["integer"] <= k["layers"], (name, k)
+            assert len(k["float"]) == k["layers"] - k["integer"], (name, k)
+            assert _finite(r["speedup"][recipe]["median"]) and r["speedup"][recipe]["median"] > 0
+    md = (out / "ordinary" / "ordinary.md").read_text()
+    assert "## Targets" in md and "(CPU: " in md and "Command: `python -m bench.ordinary --fast" in md

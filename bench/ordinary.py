@@ -1,0 +1,361 @@
+"""Models written the ordinary way (no lq modules inside) through lq's default PTQ path, in onnxruntime.
+
+    python -m bench.ordinary [--fast] [--out DIR] [--epochs N]
+
+lq's own CNNs are written for it (BatchNorm after every conv, ``lq.nn.FloatAdd`` for residuals). Users'
+models are not: plain ``x + f(x)`` residuals, GroupNorm and SiLU, ``nn.MultiheadAttention``, ``nn.LSTM``.
+This bench trains four such models in FP32 on the digits data (8x8 images upsampled to 32x32 for the
+CNNs; rows as 8 tokens / time steps for the transformer and the LSTM), then for each:
+
+* lq's default path: ``quantize_model`` + max calibration, exported with ``lq.export.export_onnx``
+  (default 8-bit weights, and the ``int8_reduce_range`` recipe), accuracy of the INT8 file in onnxruntime;
+* onnxruntime's own ``quantize_static`` (QDQ, per-channel, after ``quant_pre_process``, u8s8) on the FP32
+  export, the reference to beat;
+* speed-ups over the FP32 export at batch 32, one thread, contenders timed in turns;
+* from lq's export report: how many quantized conv/linear layers run an integer kernel, and why not.
+
+Targets (issue 15; the CPU's ISA is printed with every table): every conv/linear an integer kernel unless
+the report says why; at least as fast as ``quantize_static``; >= 1.6x FP32 on the two ResNets on AVX2
+(>= 2.3x on AVX-512 VNNI), >= 1.3x on the transformer; never slower than FP32; PTQ accuracy within 0.5
+point of FP32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bench import _report
+from bench.onnx_export import ort_quantize_static, ort_times
+
+torch.set_flush_denormal(True)
+
+LQ_DEFAULT = "lq INT8 (8-bit weights)"
+LQ_REDUCE = "lq INT8 (int8_reduce_range)"
+ORT_QS = "ORT quantize_static u8s8"
+
+
+# =========================================================================== the models, written as people do
+class DSBlock(nn.Module):
+    """Depthwise-separable block as in ConvNeXt/MobileNet-style code: dw conv, GroupNorm, SiLU, pw conv,
+    a plain ``+`` residual."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 3, padding=1, groups=c)
+        self.norm = nn.GroupNorm(8, c)
+        self.pw = nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        return x + self.pw(F.silu(self.norm(self.dw(x))))
+
+
+class DSResNet(nn.Module):
+    def __init__(self, c: int = 32, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1), nn.GroupNorm(8, c), nn.SiLU())
+        self.blocks = nn.Sequential(DSBlock(c), DSBlock(c), nn.Conv2d(c, 2 * c, 3, stride=2, padding=1),
+                                    nn.GroupNorm(8, 2 * c), nn.SiLU(), DSBlock(2 * c), DSBlock(2 * c))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(2 * c, classes)
+
+    def forward(self, x):
+        return self.head(self.pool(self.blocks(self.stem(x))).flatten(1))
+
+
+class BasicBlock(nn.Module):
+    """The torchvision-style basic block: conv-bn-relu-conv-bn, plain ``out + x``, relu."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + x)
+
+
+class PlainResNet(nn.Module):
+    def __init__(self, c: int = 32, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.layer1 = nn.Sequential(BasicBlock(c), BasicBlock(c))
+        self.down = nn.Sequential(nn.Conv2d(c, 2 * c, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(2 * c),
+                                  nn.ReLU())
+        self.layer2 = nn.Sequential(BasicBlock(2 * c), BasicBlock(2 * c))
+        self.fc = nn.Linear(2 * c, classes)
+
+    def forward(self, x):
+        x = self.layer2(self.down(self.layer1(self.stem(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class MHATransformer(nn.Module):
+    """Rows of the 8x8 digit as 8 tokens: pre-norm blocks of nn.MultiheadAttention and a GELU MLP."""
+
+    def __init__(self, d: int = 64, heads: int = 4, depth: int = 2, classes: int = 10):
+        super().__init__()
+        self.embed = nn.Linear(8, d)
+        self.pos = nn.Parameter(torch.zeros(1, 8, d))
+        self.norms1 = nn.ModuleList(nn.LayerNorm(d) for _ in range(depth))
+        self.attn = nn.ModuleList(nn.MultiheadAttention(d, heads, batch_first=True) for _ in range(depth))
+        self.norms2 = nn.ModuleList(nn.LayerNorm(d) for _ in range(depth))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                 for _ in range(depth))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = self.embed(x.reshape(x.shape[0], 8, 8)) + self.pos
+        for n1, attn, n2, mlp in zip(self.norms1, self.attn, self.norms2, self.mlp, strict=True):
+            y = n1(h)
+            h = h + attn(y, y, y, need_weights=False)[0]
+            h = h + mlp(n2(h))
+        return self.head(h.mean(1))
+
+
+class LSTMClassifier(nn.Module):
+    """Rows of the digit as 8 time steps through a 2-layer nn.LSTM; the last step classifies."""
+
+    def __init__(self, hidden: int = 64, classes: int = 10):
+        super().__init__()
+        self.lstm = nn.LSTM(8, hidden, num_layers=2, batch_first=True)
+        self.fc = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        out, _ = self.lstm(x.reshape(x.shape[0], 8, 8))
+        return self.fc(out[:, -1])
+
+
+MODELS = {  # label: (constructor, input shape per sample)
+    "depthwise ResNet (GroupNorm, SiLU, plain +)": (DSResNet, (1, 32, 32)),
+    "ResNet (BatchNorm, plain +)": (PlainResNet, (1, 32, 32)),
+    "transformer (nn.MultiheadAttention)": (MHATransformer, (1, 8, 8)),
+    "LSTM (2-layer nn.LSTM)": (LSTMClassifier, (1, 8, 8)),
+}
+
+
+# =========================================================================== data and training
+def digits(shape) -> tuple[torch.Tensor, ...]:
+    """sklearn's digits, standardized, as (train x, train y, test x, test y) in the model's input shape."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    x = (x - 0.5) / 0.5
+    if shape[1:] != (8, 8):
+        x = F.interpolate(x, size=shape[1:], mode="bilinear", align_corners=False)
+    y = torch.tensor(d.target)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    n = int(0.8 * len(x))
+    return x[:n], y[:n], x[n:], y[n:]
+
+
+def train(model: nn.Module, x, y, epochs: int, batch: int = 32) -> nn.Module:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
+    g = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(epochs):
+        for idx in torch.randperm(len(x), generator=g).split(batch):
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+    return model.eval()
+
+
+def torch_accuracy(model, x, y) -> float:
+    with torch.no_grad():
+        return 100.0 * float((model(x).argmax(1) == y).float().mean())
+
+
+def ort_accuracy(path: str, x, y) -> float:
+    from lq.export._verify import make_session
+
+    sess = make_session(path, intra_op_num_threads=1)
+    (logits,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+    return 100.0 * float((logits.argmax(1) == y.numpy()).mean())
+
+
+# =========================================================================== one model
+def lq_ptq(model: nn.Module, batches, reduce_range: bool) -> nn.Module:
+    """lq's default path as a user calls it: quantize_model, then max calibration."""
+    from lq.calibration import calibrate_model
+    from lq.config import Int8ReduceRangeConfig
+    from lq.convert import quantize_model
+
+    q = copy.deepcopy(model)
+    wdesc = Int8ReduceRangeConfig().weight.to_descriptor() if reduce_range else None
+    quantize_model(q, quant_desc_weight=wdesc)
+    q.eval()
+    with torch.no_grad():
+        calibrate_model(q, batches, method="max")
+    return q
+
+
+def export_fp32(model: nn.Module, path: str, sample) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model.eval(), (sample,), path, dynamo=False, opset_version=17, input_names=["input"],
+                          output_names=["output"], dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})
+
+
+def run_model(label: str, ctor, shape, epochs: int, fast: bool, d: str, log) -> dict:
+    from lq.export import export_onnx
+
+    torch.manual_seed(0)
+    xtr, ytr, xte, yte = digits(shape)
+    t0 = time.perf_counter()
+    model = train(ctor(), xtr, ytr, epochs)
+    row: dict = {"model": label, "train_s": time.perf_counter() - t0, "acc": {"FP32": torch_accuracy(model, xte, yte)},
+                 "notes": []}
+    batches = list(xtr[:256].split(32))
+    paths = {"FP32 export": os.path.join(d, "fp32.onnx")}
+    export_fp32(model, paths["FP32 export"], xtr[:1])
+    for name, rr in ((LQ_DEFAULT, False), (LQ_REDUCE, True)):
+        p = os.path.join(d, f"lq_{int(rr)}.onnx")
+        try:
+            q = lq_ptq(model, batches, rr)
+            t = time.perf_counter()
+            res = export_onnx(q, batches[0], p)
+        except Exception as e:  # an ordinary model lq cannot export yet: say so, go on
+            row["notes"].append(f"{name}: export failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            continue
+        paths[name] = p
+        row["acc"][name + " (PyTorch)"] = torch_accuracy(q, xte, yte)
+        row["acc"][name] = ort_accuracy(p, xte, yte)
+        lk = [k for k in res.layer_kernels if k.op in ("Conv", "ConvTranspose", "Gemm", "MatMul")]
+        row.setdefault("kernels", {})[name] = {
+            "integer": sum(k.integer for k in lk), "layers": len(lk),
+            "float": [f"{k.layer}: {k.kernel} ({k.reason})" for k in lk if not k.integer]}
+        check = f", the export's own speed check {res.speedup:.2f}x" if res.speedup is not None else ""
+        row["notes"].append(f"{name}: export {time.perf_counter() - t:.1f} s, {sum(k.integer for k in lk)} of "
+                            f"{len(lk)} conv/gemm/matmul on integer kernels{check}")
+    try:
+        ort_quantize_static(paths["FP32 export"], os.path.join(d, "ort.onnx"), batches)
+        paths[ORT_QS] = os.path.join(d, "ort.onnx")
+        row["acc"][ORT_QS] = ort_accuracy(paths[ORT_QS], xte, yte)
+    except Exception as e:
+        row["notes"].append(f"{ORT_QS} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    xb = np.ascontiguousarray(xte[:32].numpy())
+    repeats, min_time = (3, 0.05) if fast else (9, 0.25)
+    t = ort_times(paths, xb, 1, repeats, min_time)
+    row["speedup"] = {k: _report.ratios(t["FP32 export"], v) for k, v in t.items() if k != "FP32 export"}
+    row["ms_fp32"] = _report.spread(t["FP32 export"])
+    row["isa"] = _report.cpu_isa()
+    log(f"  {label}: FP32 {row['acc']['FP32']:.2f}%, " + ", ".join(
+        f"{k} {_report.fmt_ratio(v)}" for k, v in row["speedup"].items()))
+    return row
+
+
+# =========================================================================== report
+def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
+    out = []
+    for r in rows:
+        isa = r["isa"]
+        sp = r["speedup"]
+        lq = {k: v["median"] for k, v in sp.items() if k.startswith("lq")}
+        if not lq:
+            out.append((f"{r['model']}: lq exports it", "; ".join(r["notes"]), False))
+            continue
+        best = max(lq, key=lq.get)
+        if "ResNet" in r["model"]:
+            need = 2.3 if _report.has_vnni(isa) else 1.6
+            out.append((f"{r['model']}: INT8 >= {need}x FP32 ({isa})", f"{lq[best]:.2f}x ({best})", lq[best] >= need))
+        elif "transformer" in r["model"]:
+            out.append((f"{r['model']}: INT8 >= 1.3x FP32 ({isa})", f"{lq[best]:.2f}x ({best})", lq[best] >= 1.3))
+        out.append((f"{r['model']}: never slower than FP32", f"{lq[best]:.2f}x", lq[best] >= 1.0))
+        if ORT_QS in sp:
+            rel = lq[best] / sp[ORT_QS]["median"]
+            out.append((f"{r['model']}: at least as fast as quantize_static", f"{rel:.2f}x its speed", rel >= 1.0))
+        acc = r["acc"].get(best)
+        if acc is not None:
+            out.append((f"{r['model']}: PTQ within 0.5 point of FP32", f"{acc:.2f}% vs {r['acc']['FP32']:.2f}%",
+                        acc >= r["acc"]["FP32"] - 0.5))
+        k = r.get("kernels", {}).get(best)
+        if k:
+            out.append((f"{r['model']}: every conv/linear on an integer kernel (the report names the rest)",
+                        f"{k['integer']} of {k['layers']}", k["integer"] == k["layers"]))
+    return out
+
+
+def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float) -> Path:
+    isa = rows[0]["isa"] if rows else _report.cpu_isa()
+    contenders = [LQ_DEFAULT, LQ_REDUCE, ORT_QS]
+    lines = ["# Ordinary models", "", f"Produced by `bench/ordinary.py` (CPU: {isa}). Speed-up = FP32 export time / "
+             "INT8 time in onnxruntime at batch 32, 1 thread, files timed in turns; `median [p25-p75]`. Accuracy on "
+             "the digits test split (360 images) in onnxruntime.", "", "## Targets", "",
+             _report.table(["target", "measured", "met"],
+                           [(a, b, "yes" if c else "**no**") for a, b, c in targets(rows)], "llr"), "",
+             f"## Speed and accuracy (CPU: {isa})", ""]
+    body = []
+    for r in rows:
+        sp = r["speedup"]
+        body.append([r["model"], f"{r['acc']['FP32']:.2f}%"]
+                    + [(f"{_report.fmt_ratio(sp[c])}, {r['acc'][c]:.2f}%" if c in sp else "failed") for c in contenders]
+                    + ["; ".join(f"{v['integer']}/{v['layers']}" for v in r.get("kernels", {}).values()) or "-"])
+    lines.append(_report.table(["model", "FP32 acc"] + [f"{c}: speed-up, acc" for c in contenders]
+                               + ["integer conv/linear (8-bit; rr)"], body, "lr" + "r" * (len(contenders) + 1)))
+    lines += ["", "## What runs in float, and why (lq's export report)", ""]
+    for r in rows:
+        lines.append(f"**{r['model']}**")
+        lines.append("")
+        for n in r["notes"]:
+            if n:
+                lines.append(f"- {n}")
+        for name, k in r.get("kernels", {}).items():
+            for f in k["float"]:
+                lines.append(f"- {name}: {f}")
+        lines.append("")
+    lines += ["## Run", "", _report.machine_markdown(_report.machine(), cmd, seconds)]
+    md = out / "ordinary.md"
+    md.write_text("\n".join(lines) + "\n")
+    return md
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fast", action="store_true", help="1 epoch, few timing repeats (CI smoke run)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output folder (default docs/results, or outputs/bench_fast with --fast)")
+    ap.add_argument("--epochs", type=int, default=None, help="FP32 training epochs (default 12; 1 with --fast)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for training (default 1)")
+    ap.add_argument("--models", nargs="*", default=None, choices=list(range(len(MODELS))), type=int,
+                    help="indices of the models to run (default all)")
+    args = ap.parse_args(argv)
+    out, cmd, t0 = _report.start_run(args)
+    epochs = args.epochs or (1 if args.fast else 12)
+    rows = []
+    for i, (label, (ctor, shape)) in enumerate(MODELS.items()):
+        if args.models is not None and i not in args.models:
+            continue
+        _report.log(f"{label} ...")
+        with tempfile.TemporaryDirectory() as d:
+            rows.append(run_model(label, ctor, shape, epochs, args.fast, d, _report.log))
+    seconds = time.perf_counter() - t0
+    _report.write_json(out / "ordinary.json", {"rows": rows, "machine": _report.machine(), "command": cmd,
+                                               "seconds": seconds, "targets": targets(rows)})
+    md = write_markdown(rows, out, cmd, seconds)
+    print()
+    for a, b, c in targets(rows):
+        print(f"{'PASS' if c else 'MISS'}  {a}: {b}")
+    print(f"\nwrote {md} ({seconds:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
