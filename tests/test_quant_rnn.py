@@ -29,18 +29,20 @@ torch.set_flush_denormal(True)
 
 
 # ---------------------------------------------------------------- the reference, written out
-def fq(x, num_bits=8, per_row=False):
-    """Fake quantization with a dynamic amax: max |x|, per row when ``per_row``."""
-    amax = x.detach().abs().amax(dim=1, keepdim=True) if per_row else x.detach().abs().amax()
+def fq(x, num_bits=8, per_row=False, amax=None):
+    """Fake quantization; amax: the given one, else max |x| (per row when ``per_row``)."""
+    if amax is None:
+        amax = x.detach().abs().amax(dim=1, keepdim=True) if per_row else x.detach().abs().amax()
     return tq.fake_tensor_quant(x, amax, num_bits, False, False)
 
 
-def ref_step(x, h, c, w_ih, w_hh, b_ih, b_hh, bits_in=8, bits_w=8, per_row=True, quant=True):
+def ref_step(x, h, c, w_ih, w_hh, b_ih, b_hh, bits_in=8, bits_w=8, per_row=True, quant=True, amax_in=None,
+             amax_w=None):
     """One step of the reference quantized LSTM cell (2-D x, h, c)."""
     if quant:
-        xh = fq(torch.cat([x, h], 1), bits_in)
+        xh = fq(torch.cat([x, h], 1), bits_in, amax=amax_in)
         x, h = xh[:, : x.shape[1]], xh[:, x.shape[1]:]
-        w = fq(torch.cat([w_ih, w_hh], 1), bits_w, per_row)
+        w = fq(torch.cat([w_ih, w_hh], 1), bits_w, per_row, amax=amax_w)
         w_ih, w_hh = w[:, : w_ih.shape[1]], w[:, w_ih.shape[1]:]
     gates = F.linear(x, w_ih, b_ih) + F.linear(h, w_hh, b_hh)
     H = gates.shape[1] // 4
@@ -248,6 +250,58 @@ def test_lstm_packed_sequence_quantizes_running_rows_only():
     torch.testing.assert_close(cn, e_c, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("weight_axis", [0, None, 1], ids=["per-row", "per-tensor", "per-column"])
+def test_lstm_calibrated_matches_reference_definition(weight_axis):
+    """With a static amax lq quantizes x and h (W_ih and W_hh) one by one where that is exact, so
+    exported graphs have each Q/DQ at its matmul: the numbers must still be those of the fused tensors."""
+    m = quant_nn.QuantLSTM(4, 5, num_layers=2, bidirectional=True,
+                           quant_desc_weight=QuantDescriptor(axis=weight_axis))
+    amax_in, amax_w = [], []
+    for i in range(4):
+        amax_in.append(torch.tensor(0.7 + 0.3 * i))  # clips part of x and of h
+        layer, d = divmod(i, 2)
+        w = torch.cat(params(m, layer, d)[:2], 1).detach()
+        amax_w.append(w.abs().amax() * 0.8 if weight_axis is None else w.abs().amax(dim=1 - weight_axis,
+                                                                                     keepdim=True) * 0.8)
+        m._input_quantizers[i].amax = amax_in[i]
+        m._weight_quantizers[i].amax = amax_w[i]
+    x, h0, c0 = torch.randn(5, 3, 4) * 2, torch.randn(4, 3, 5), torch.randn(4, 3, 5)
+    out, (hn, cn) = m(x, (h0, c0))
+    # the reference with the same amax per layer and direction
+    layer_in, e_h = x, []
+    for layer in range(2):
+        outs = []
+        for d in range(2):
+            i = layer * 2 + d
+            h, c = h0[i], c0[i]
+            o = [None] * 5
+            for t in (reversed(range(5)) if d else range(5)):
+                h, c = ref_step(layer_in[t], h, c, *params(m, layer, d), amax_in=amax_in[i], amax_w=amax_w[i])
+                o[t] = h
+            outs.append(torch.stack(o))
+            e_h.append(h)
+        layer_in = torch.cat(outs, 2)
+    # equal up to float rounding of the GEMMs (operand layouts differ); a quantization step is ~1e-2
+    torch.testing.assert_close(out, layer_in, rtol=0, atol=1e-6)
+    torch.testing.assert_close(hn, torch.stack(e_h), rtol=0, atol=1e-6)
+
+
+def test_parts_quantize_alike_only_when_exact():
+    from lq.nn.modules.quant_rnn import _parts_quantize_alike
+
+    q = quant_nn.TensorQuantizer(QuantDescriptor(axis=0))
+    assert not _parts_quantize_alike(q, 2)  # dynamic amax: the whole decides it
+    q.amax = torch.ones(4, 1)
+    assert _parts_quantize_alike(q, 2)  # per row: the same amax along dim 1
+    q.enable_calib()
+    assert not _parts_quantize_alike(q, 2)  # a calibrator sees the fused tensor
+    q.disable_calib()
+    q = quant_nn.TensorQuantizer(QuantDescriptor(axis=1, amax=torch.ones(1, 6)))
+    assert not _parts_quantize_alike(q, 2)  # per column: each part has its own columns' amax
+    q.disable()
+    assert _parts_quantize_alike(q, 2)
+
+
 def test_lstm_calibration_sees_every_step():
     m = quant_nn.QuantLSTM(3, 4)
     q_in, q_w = m._input_quantizers[0], m._weight_quantizers[0]
@@ -323,3 +377,6 @@ def test_quant_lstm_exports_to_onnx(tmp_path):
         calibrate_model(model, [torch.randn(8, 5, 4) for _ in range(2)], method="max")
     res = export_onnx(model, torch.randn(2, 5, 4), tmp_path / "lstm.onnx")
     assert res.max_abs_diff < 1e-4
+    # every step's matmuls read their Q/DQ directly: onnxruntime runs them on integer kernels
+    rnn = [k for k in res.layer_kernels if k.layer == "rnn"]
+    assert len(rnn) == 2 * 2 * 5 * 2 and all(k.reason is None for k in rnn), [k for k in rnn if k.reason]

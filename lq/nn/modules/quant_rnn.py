@@ -12,6 +12,10 @@ each is quantized as ONE tensor:
 * biases and the cell state stay float; gates are in torch's order (i, f, g, o)
   and each step is ``linear(x, W_ih, b_ih) + linear(h, W_hh, b_hh)``.
 
+A calibrated quantizer (static amax, per tensor or per row) gives the parts of such a
+tensor the same numbers on their own, and then quantizes them one by one: the exported
+graph gets a Q/DQ right at every matmul (see :func:`quantize_side_by_side`).
+
 ``QuantLSTMCell`` has ``_input_quantizer`` / ``_weight_quantizer``; ``QuantLSTM`` has
 the ModuleLists ``_input_quantizers`` / ``_weight_quantizers`` with one entry per
 layer and direction (index ``layer * num_directions + direction``). Beyond the
@@ -34,17 +38,35 @@ from lq.nn.modules._utils import QuantMixin, _tensor_quantizer_cls, quant_class
 __all__ = ["QuantLSTM", "QuantLSTMCell", "LSTM", "LSTMCell"]
 
 
-def quantize_fused_weights(weight_quantizer, w_ih, w_hh):
-    """``[W_ih | W_hh]`` fake-quantized as one tensor, returned split back into its two parts."""
-    w = weight_quantizer(torch.cat([w_ih, w_hh], 1))
-    return w.split([w_ih.size(1), w_hh.size(1)], 1)
+def _parts_quantize_alike(quantizer, ndim: int) -> bool:
+    """True when ``quantizer`` gives each part of a tensor split along dim 1 the numbers it gives
+    that part inside the whole: it is disabled, or it maps every element on its own with one fixed
+    amax along dim 1 (static, per tensor or per row), no blocks, and it is not collecting
+    calibration data (a calibrator must see the whole, e.g. an EMA of its amax)."""
+    if not quantizer.is_enabled:
+        return True
+    if quantizer._if_calib or quantizer.dynamic or quantizer.block_sizes is not None or quantizer.is_affine:
+        return False
+    amax = quantizer.amax
+    return amax is not None and (amax.numel() == 1 or (amax.dim() == ndim and amax.size(1) == 1))
+
+
+def quantize_side_by_side(quantizer, parts):
+    """``quantizer(torch.cat(parts, 1))`` split back into ``parts``.
+
+    Where that gives the same numbers (:func:`_parts_quantize_alike`: a calibrated quantizer)
+    each part is quantized on its own instead, so an exported graph has every part's Q/DQ right
+    at the matmul that reads it: onnxruntime fuses Q/DQ into an integer GEMM only there.
+    """
+    if _parts_quantize_alike(quantizer, parts[0].dim()):
+        return [quantizer(p) for p in parts]
+    return quantizer(torch.cat(parts, 1)).split([p.size(1) for p in parts], 1)
 
 
 def lstm_step(x, h, c, w_ih, w_hh, b_ih, b_hh, input_quantizer):
     """One LSTM step on 2-D ``x``/``h``/``c``; ``w_ih``/``w_hh`` are already quantized.
-    ``[x | h]`` goes through ``input_quantizer`` as one tensor. Returns ``(h', c')``."""
-    xh = input_quantizer(torch.cat([x, h], 1))
-    x, h = xh.split([x.size(1), h.size(1)], 1)
+    ``[x | h]`` is quantized as one tensor by ``input_quantizer``. Returns ``(h', c')``."""
+    x, h = quantize_side_by_side(input_quantizer, [x, h])
     gates = F.linear(x, w_ih, b_ih) + F.linear(h, w_hh, b_hh)
     i, f, g, o = gates.chunk(4, 1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
@@ -76,7 +98,7 @@ class QuantLSTMCell(nn.LSTMCell, QuantMixin):
                     raise RuntimeError(
                         f"hidden{label} must be {(x.size(0), self.hidden_size)} for this input, got {tuple(t.shape)}"
                     )
-        w_ih, w_hh = quantize_fused_weights(self._weight_quantizer, self.weight_ih, self.weight_hh)
+        w_ih, w_hh = quantize_side_by_side(self._weight_quantizer, [self.weight_ih, self.weight_hh])
         h, c = lstm_step(x, h, c, w_ih, w_hh, self.bias_ih, self.bias_hh, self._input_quantizer)
         if not batched:
             h, c = h.squeeze(0), c.squeeze(0)
@@ -137,7 +159,7 @@ class QuantLSTM(nn.LSTM, QuantMixin):
         shrinking for packed input: only the first rows are still running) from state ``h, c``.
         Returns the outputs in time order and the final ``h, c``."""
         w_ih, w_hh, b_ih, b_hh, w_hr = self._layer_params(idx)
-        w_ih, w_hh = quantize_fused_weights(self._weight_quantizers[idx], w_ih, w_hh)
+        w_ih, w_hh = quantize_side_by_side(self._weight_quantizers[idx], [w_ih, w_hh])
         if w_hr is not None:
             w_hr = self._weight_hr_quantizers[idx](w_hr)
         in_q = self._input_quantizers[idx]
