@@ -134,6 +134,8 @@ class QuantConfig:
         overrides: per-layer changes, ``{glob: {"input": {field: value}, "weight": {...}}}``.
         types: only quantize layers of these torch.nn class names (e.g. ``["Linear"]``); None: every
             type lq has a quantized version of.
+        glue: also quantize ``x + y``, ``torch.cat`` and ``a @ b`` written in the modules' own forwards
+            (:mod:`lq.glue`): residual adds run as integer adds and the layers feeding them fuse.
     """
 
     input: QuantizerConfig = field(default_factory=QuantizerConfig)
@@ -142,9 +144,12 @@ class QuantConfig:
     exclude: List[str] = field(default_factory=list)
     overrides: Dict[str, Dict[str, Dict[str, Any]]] = field(default_factory=dict)
     types: Optional[List[str]] = None
+    glue: bool = True
 
     def __post_init__(self):
         owner = type(self).__name__
+        if not isinstance(self.glue, bool):
+            raise ValueError(f"{owner}.glue={self.glue!r} is not allowed: expected true or false")
         if self.types is not None:
             if isinstance(self.types, str) or not all(isinstance(t, str) for t in self.types):
                 raise ValueError(f"{owner}.types={self.types!r} is not allowed: expected None or a list of class names")

@@ -203,6 +203,15 @@ class LayerSummary:
     _weight_text: str = field(default="-", repr=False)
 
     @classmethod
+    def of_glue(cls, name: str, label: str, quantizers: list, status: str) -> "LayerSummary":
+        """A glue op (``x + y``, ``torch.cat``, ``a @ b``) of a module's forward and its operand quantizers."""
+        q = quantizers[0]
+        lo, hi = _amax_stats(quantizers)
+        return cls(name=name, type=label, status=status, input_bits=q.num_bits, input_axis=q.axis,
+                   input_amax=hi, input_amax_min=lo, num_quantizers=len(quantizers),
+                   input_dynamic=bool(q.dynamic), _input_text=f"{_fmt_bits(q)} {_fmt_axis(q)}")
+
+    @classmethod
     def of(cls, name: str, module: nn.Module, status: str) -> "LayerSummary":
         if not isinstance(module, QuantMixin):
             return cls(name=name, type=type(module).__name__, status=status)
@@ -390,6 +399,7 @@ def quantize_model(
     overrides=None,
     quant_desc_input=None,
     quant_desc_weight=None,
+    glue: bool = True,
 ) -> QuantizationSummary:
     """Replace the float modules of ``model`` by quantized ones, in place.
 
@@ -405,6 +415,11 @@ def quantize_model(
         quant_desc_input / quant_desc_weight: descriptors for every converted layer
             (QuantDescriptor or dict); None keeps each class's default (per-tensor
             inputs, per-channel weights).
+        glue: also quantize the glue ops written in the modules' own forwards (``x + y``,
+            ``torch.cat``, ``a @ b`` between activations; see :mod:`lq.glue`), so a residual add
+            runs as an integer add and the layers feeding it fuse. Their quantizers are named
+            ``<module>.lq_glue.add_0`` ... (globs in ``overrides``/``exclude`` reach them). A module
+            torch.fx cannot trace keeps its glue float; the summary's notes name it.
 
     Returns:
         a :class:`QuantizationSummary` of the converted, already quantized and excluded layers.
@@ -477,8 +492,25 @@ def quantize_model(
 
     visit(model, "")
 
+    # ---- glue ops in the modules' own forwards (traced, nothing modified)
+    glue_plans, glue_notes = [], []
+    if glue:
+        from lq import glue as _glue
+
+        glue_plans, glue_already, glue_notes = _glue.plan(
+            model, selected=lambda n: _matches(n, include) and not _matches(n, exclude),
+            skip=lambda m: isinstance(m, QuantMixin) or id(m) in targets)
+        glue_plans = [p for p in glue_plans if not any(_matches(q, exclude) for q in p.quantizer_paths())]
+        for name in glue_already:
+            m = model.get_submodule(name)
+            for qname, qd in m._modules[_glue.CHILD].items():
+                full = f"{name}.{_glue.CHILD}.{qname}" if name else f"{_glue.CHILD}.{qname}"
+                layers.append(LayerSummary.of_glue(full, "glue", [qd], "already quantized"))
+                already[id(qd)] = full
+
     # ---- overrides: validate that every glob hits a quantized layer
-    quant_names = [t.name for t in targets.values()] + list(already.values())
+    quant_names = ([t.name for t in targets.values()] + list(already.values())
+                   + [q for p in glue_plans for q in p.quantizer_paths()])
     for pattern, _ in rules:
         if not any(_matches(n, [pattern]) for n in quant_names):
             sample = ", ".join(quant_names[:8]) + (" ..." if len(quant_names) > 8 else "")
@@ -507,12 +539,38 @@ def quantize_model(
             for _, q in t.new.iter_quantizers():
                 q.to(device)
 
+    def glue_desc(path: str):
+        d = qi_all
+        for pattern, descs in rules:
+            if _matches(path, [pattern]):
+                d = descs.get("input", d)
+        return d if d is not None else quant_nn.QuantAdd.default_quant_desc_input
+
+    for p in glue_plans:
+        try:
+            p.build(glue_desc)
+        except DescriptorTypeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a module whose rewrite fails keeps its glue float
+            glue_notes.append(f"{p.name or 'the model'} ({type(p.module).__name__}): its +, torch.cat and matmul "
+                              f"stay float (rewriting its forward failed: {type(e).__name__}: {e})")
+            p.cls = None
+            continue
+        if device is not None:
+            p.quantizers.to(device)
+    glue_plans = [p for p in glue_plans if p.cls is not None]
+
     # ---- phase 3: commit (plain dict assignments; cannot fail half way)
-    notes = []
+    notes = list(glue_notes)
     for t in targets.values():
         for parent, attr in t.locations:
             parent._modules[attr] = t.new
         layers[t.row] = LayerSummary.of(t.name, t.new, "quantized")
+    for p in glue_plans:
+        p.commit()
+        for s in p.sites:
+            qs = [p.quantizers[q] for q in s.quantizer_names()]
+            layers.append(LayerSummary.of_glue(p.path(s.name), p.label(s), qs, "quantized"))
     if any(isinstance(t.new, quant_nn.QuantMultiheadAttention) for t in targets.values()):
         for name, m in model.named_modules():
             if isinstance(m, nn.TransformerEncoder) and getattr(m, "use_nested_tensor", False):
@@ -527,6 +585,10 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     module when ``model`` itself is a quantized module."""
     if isinstance(model, QuantMixin):
         model = model.to_float()
+    from lq import glue as _glue
+
+    for m in list(model.modules()):
+        _glue.remove(m)
     replaced: dict[int, nn.Module] = {}
     stack = [model]
     seen = set()

@@ -119,8 +119,11 @@ class QuantExport(L.Callback):
             from lq import report
 
             report.print_rich(report.kernel_table(result))
-        for w in getattr(result, "warnings", []):  # slower than FP32, layers left float, re-encoded weights ...
-            rank_zero_warn(f"lq export: {w}")
+        for w in getattr(result, "warnings", []):  # layers left float, re-encoded weights, opset ...
+            if speed is not None and speed < 1.0 and "the speed of FP32" in w:
+                rank_zero_warn(f"lq export: {w}")  # the INT8 file is slower than FP32: nobody should miss that
+            else:
+                rank_zero_info(f"lq export: {w}")
 
     def state_dict(self) -> dict:
         return {"path": self.path}

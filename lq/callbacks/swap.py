@@ -56,6 +56,7 @@ class QuantSwap(L.Callback):
             overrides=overrides or None,
             quant_desc_input=self._input_cfg(q.input).to_descriptor(),
             quant_desc_weight=q.weight.to_descriptor(),
+            glue=q.glue,
         )
         name_quantizers(model, overwrite=True)
         self._apply_enabled(model)

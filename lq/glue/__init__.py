@@ -1,0 +1,110 @@
+"""Quantize the glue of models written the ordinary way: ``x + y``, ``torch.cat``, ``q @ k``.
+
+:func:`lq.convert.quantize_model` swaps layers (Conv, Linear, ...) for quantized ones; the arithmetic
+between them lives in each module's own ``forward`` as functions and operators, where no module swap can
+reach it. Without quantizers there, a runtime keeps those ops in float and, worse, cannot fuse the layers
+that feed them (onnxruntime runs ``DQ -> Conv -> Q`` as ``QLinearConv`` only when a quantizer reads the
+conv's output). This package finds those ops with torch.fx, one module at a time (its children are
+leaves), and gives the module quantizers for them (rules: :mod:`lq.glue._rules`) in the PyTorch model
+itself, so calibration, QAT and the export see the same thing. A module fx cannot follow keeps its glue
+float, and the summary says which and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from typing import Callable
+
+import torch.fx as fx
+from torch import nn
+
+from lq.glue._rewrite import CHILD, GlueQuantized, GlueQuantizer, commit, glue_class, remove
+from lq.glue._rules import FUNCTIONS, METHODS, GlueRule
+from lq.glue._sites import Site, find_sites
+from lq.glue._trace import trace
+
+__all__ = ["GluePlan", "plan", "GlueQuantized", "GlueQuantizer", "CHILD", "remove", "FUNCTIONS", "METHODS",
+           "GlueRule", "is_glue_quantized"]
+
+#: classes defined here are library code: their forwards are not rewritten
+_LIBRARY_PREFIXES = ("torch.", "lq.", "lightning.", "pytorch_lightning.", "torchmetrics.", "transformers.")
+_GLUE_TEXT = re.compile(r"\+|torch\.cat|torch\.concat|@|matmul|\bbmm\b|\.add\(")
+
+_LABELS = {"add": "x + y", "cat": "torch.cat", "matmul": "a @ b"}
+
+
+@dataclasses.dataclass
+class GluePlan:
+    """The glue quantizers planned for one module (nothing is changed until :meth:`commit`)."""
+
+    name: str
+    module: nn.Module
+    graph: fx.Graph
+    sites: list[Site]
+    quantizers: nn.ModuleDict | None = None
+    cls: type | None = None
+
+    def path(self, quantizer: str) -> str:
+        """The module path of one of this plan's quantizers (what state_dict keys and overrides use)."""
+        return f"{self.name}.{CHILD}.{quantizer}" if self.name else f"{CHILD}.{quantizer}"
+
+    def quantizer_paths(self) -> list[str]:
+        return [self.path(q) for s in self.sites for q in s.quantizer_names()]
+
+    def build(self, desc_for: Callable[[str], object]) -> None:
+        """Make the quantizers (a descriptor per quantizer path) and the generated class."""
+        self.quantizers = nn.ModuleDict({q: GlueQuantizer(desc_for(self.path(q)))
+                                         for s in self.sites for q in s.quantizer_names()})
+        self.cls = glue_class(self.module, self.graph, self.sites, self.quantizers)
+
+    def commit(self) -> None:
+        commit(self.module, self.cls, self.quantizers)
+
+    def label(self, site: Site) -> str:
+        return _LABELS[site.rule.kind]
+
+
+def is_glue_quantized(m: nn.Module) -> bool:
+    return isinstance(m, GlueQuantized)
+
+
+def _is_library(m: nn.Module) -> bool:
+    mod = type(m).__module__ or ""
+    return mod.startswith(_LIBRARY_PREFIXES) or mod in ("torch", "lq", "lightning")
+
+
+def _may_have_glue(m: nn.Module) -> bool:
+    try:
+        src = inspect.getsource(type(m).forward)
+    except (OSError, TypeError):
+        return True
+    body = src.split(":", 1)[-1]
+    return bool(_GLUE_TEXT.search(body))
+
+
+def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.Module], bool]):
+    """``(plans, already, notes)``: modules whose forward has glue to quantize, names of modules that already
+    have glue quantizers, and one note per module that may hold glue but cannot be analysed."""
+    plans, already = [], []
+    refused: dict[tuple[type, str], list[str]] = {}  # one note per class and reason, naming every module
+    for name, m in model.named_modules():
+        if is_glue_quantized(m):
+            already.append(name)
+            continue
+        if skip(m) or _is_library(m) or not selected(name):
+            continue
+        graph, why = trace(m)
+        if graph is None:
+            if _may_have_glue(m):
+                refused.setdefault((type(m), why), []).append(name or "the model")
+            continue
+        sites = find_sites(graph)
+        if sites:
+            plans.append(GluePlan(name, m, graph, sites))
+    notes = [f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''} ({cls.__name__}"
+             f"{f' x{len(names)}' if len(names) > 1 else ''}): {why}; any +, torch.cat or matmul in its forward "
+             "stays float (lq.nn.QuantAdd / QuantCat quantize them explicitly)"
+             for (cls, why), names in refused.items()]
+    return plans, already, notes

@@ -1,0 +1,45 @@
+"""THE table of glue ops lq quantizes inside a module's own ``forward``, and how.
+
+A glue op is tensor arithmetic written as a function or operator (``x + y``, ``torch.cat``, ``q @ k``)
+rather than a module. Runtimes keep such an op in INT8 only when its inputs are quantized:
+
+* ``add`` -> one quantizer shared by both operands (TensorRT fuses an elementwise add only when its inputs
+  share a scale; onnxruntime runs ``QLinearAdd``), which also gives the convs/linears that feed it the
+  output quantizer onnxruntime needs to run them as ``QLinearConv``/``QGemm``. The semantics of
+  :class:`lq.nn.QuantAdd`.
+* ``cat`` -> one quantizer shared by all inputs (``QLinearConcat``; TensorRT needs one scale): the
+  semantics of :class:`lq.nn.QuantCat`.
+* ``matmul`` -> one quantizer per operand (``QLinearMatMul`` / ``MatMulInteger`` with two activation
+  inputs, e.g. attention scores ``q @ k.transpose(-2, -1)`` and ``attn @ v``).
+
+Only ops whose operands are all activations (computed from the module's inputs) count: ``x + self.pos``
+(a parameter) or ``x + 1`` stay as they are. The same table serves both runtimes: the quantizers go into
+the PyTorch model, so calibration, QAT and the export see the same thing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class GlueRule:
+    kind: str  # add | cat | matmul
+    shared: bool  # one quantizer for every operand (True) or one per operand (False)
+
+
+ADD = GlueRule("add", shared=True)
+CAT = GlueRule("cat", shared=True)
+MATMUL = GlueRule("matmul", shared=False)
+
+#: call_function targets
+FUNCTIONS = {
+    operator.add: ADD, torch.add: ADD,
+    torch.cat: CAT, torch.concat: CAT, torch.concatenate: CAT,
+    operator.matmul: MATMUL, torch.matmul: MATMUL, torch.bmm: MATMUL,
+}
+#: call_method targets (``x.add(y)``, ``a.matmul(b)``)
+METHODS = {"add": ADD, "matmul": MATMUL, "bmm": MATMUL}

@@ -1,0 +1,86 @@
+"""Find the glue ops of one traced ``forward`` whose operands are all activations."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from lq.glue._rules import FUNCTIONS, METHODS, GlueRule
+
+#: attributes and methods of a tensor that give Python values (shapes, dtypes), not tensors
+_META_ATTRS = {"shape", "dtype", "device", "ndim", "layout", "is_cuda", "requires_grad", "is_quantized"}
+_META_METHODS = {"size", "dim", "numel", "nelement", "element_size", "stride", "item", "tolist", "get_device",
+                 "is_contiguous", "is_floating_point", "__len__"}
+
+
+@dataclasses.dataclass
+class Site:
+    """One glue op: the node, its rule, its activation operands and the name of its quantizer(s)."""
+
+    node: fx.Node
+    rule: GlueRule
+    operands: list[fx.Node]
+    name: str
+
+    def quantizer_names(self) -> list[str]:
+        """One name for a shared quantizer, else one per operand (``matmul_0_a``, ``matmul_0_b``)."""
+        if self.rule.shared:
+            return [self.name]
+        return [f"{self.name}_{chr(ord('a') + i)}" for i in range(len(self.operands))]
+
+
+def activations(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes holding tensors computed from the forward's inputs (not parameters, constants or shapes)."""
+    act: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            act.add(n)
+            continue
+        if n.op not in ("call_module", "call_function", "call_method"):
+            continue
+        if not any(i in act for i in n.all_input_nodes):
+            continue
+        if n.op == "call_function" and n.target is getattr and len(n.args) > 1 and n.args[1] in _META_ATTRS:
+            continue
+        if n.op == "call_method" and n.target in _META_METHODS:
+            continue
+        if n.op == "call_function" and getattr(n.target, "__module__", None) == "builtins" and n.target is not getattr:
+            continue  # len(), int(), ... on activations give Python values
+        act.add(n)
+    return act
+
+
+def _operands(n: fx.Node, rule: GlueRule) -> list | None:
+    if rule.kind == "cat":
+        seq = n.args[0] if n.args else n.kwargs.get("tensors")
+        return list(seq) if isinstance(seq, (list, tuple)) else None
+    if n.op == "call_method":
+        return [n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("other")]
+    if len(n.args) >= 2:
+        return [n.args[0], n.args[1]]
+    return [n.args[0] if n.args else n.kwargs.get("input"), n.kwargs.get("other")]
+
+
+def find_sites(graph: fx.Graph) -> list[Site]:
+    """Every glue op of ``graph`` whose operands are all activation tensors, in graph order."""
+    act = activations(graph)
+    counts: dict[str, int] = {}
+    sites = []
+    for n in graph.nodes:
+        rule = None
+        if n.op == "call_function":
+            rule = FUNCTIONS.get(n.target)
+        elif n.op == "call_method":
+            rule = METHODS.get(n.target)
+        if rule is None:
+            continue
+        if rule.kind == "add" and (n.kwargs.get("alpha", 1) != 1 or (n.op == "call_function" and len(n.args) > 2)):
+            continue  # add with a scale: not a plain residual join
+        ops = _operands(n, rule)
+        if not ops or len(ops) < 2 or not all(isinstance(o, fx.Node) and o in act for o in ops):
+            continue
+        k = counts.get(rule.kind, 0)
+        counts[rule.kind] = k + 1
+        sites.append(Site(n, rule, ops, f"{rule.kind}_{k}"))
+    return sites

@@ -1,0 +1,276 @@
+"""Glue ops written the ordinary way (``x + y``, ``torch.cat``, ``q @ k.transpose(-2, -1)``) get quantizers
+without model changes, and a module lq cannot analyse keeps working, with a note naming it.
+
+Every numeric check compares against the operation written out by hand with ``fake_tensor_quant`` and the
+quantizer's calibrated amax, not against lq's own modules.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lq.calibration import calibrate_model
+from lq.convert import dequantize_model, quantize_model
+from lq.export import export_onnx
+from lq.glue import GlueQuantized
+from lq.tensor_quant import fake_tensor_quant
+
+
+class Block(nn.Module):
+    """A residual block as people write it: plain ``+``."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return F.relu(self.conv2(F.relu(self.conv1(x))) + x)
+
+    def channels(self):  # a user method: must survive the rewrite
+        return self.conv1.out_channels
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.block = Block()
+        self.side = nn.Conv2d(8, 8, 1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        y = self.block(x)
+        z = torch.cat([y, self.side(y)], dim=1)
+        return self.fc(z.mean((2, 3)))
+
+
+class Attention(nn.Module):
+    """Single-head attention with the matmuls written as operators, and a parameter added (not glue)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+        self.v = nn.Linear(d, d)
+        self.pos = nn.Parameter(torch.randn(1, 6, d) * 0.1)
+
+    def forward(self, x):
+        x = x + self.pos
+        n = x.shape[-1]
+        scores = self.q(x) @ self.k(x).transpose(-2, -1) / n ** 0.5
+        return torch.softmax(scores, dim=-1) @ self.v(x)
+
+
+def _fq(x, q):
+    return fake_tensor_quant(x, q.amax.detach(), q.num_bits, q.unsigned, q.narrow_range)
+
+
+def test_plain_add_and_cat_are_quantized_without_model_changes():
+    torch.manual_seed(0)
+    m = Net().eval()
+    params = {n: id(p) for n, p in m.named_parameters()}
+    summary = quantize_model(m)
+    assert {n: id(p) for n, p in m.named_parameters()} == params  # the same Parameter objects
+    assert isinstance(m.block, Block) and isinstance(m.block, GlueQuantized) and m.block.channels() == 8
+    assert {"block.lq_glue.add_0", "lq_glue.cat_0"} <= set(summary.quantized)
+    assert summary["block.lq_glue.add_0"].type == "x + y"
+    x = torch.randn(4, 3, 12, 12)
+    calibrate_model(m, [x])
+    # the block's forward equals q(conv2(...)) + q(x) with ONE quantizer, written out by hand
+    blk = m.block
+    h = torch.randn(4, 8, 12, 12)
+    with torch.no_grad():
+        q = blk.lq_glue.add_0
+        inner = blk.conv2(F.relu(blk.conv1(h)))
+        want = F.relu(_fq(inner, q) + _fq(h, q))
+        torch.testing.assert_close(blk(h), want, rtol=0, atol=0)
+    # amax of the shared quantizer covers both operands (max calibration over both)
+    assert float(blk.lq_glue.add_0.amax) > 0
+    assert "block.lq_glue.add_0._amax" in m.state_dict() and "lq_glue.cat_0._amax" in m.state_dict()
+
+
+def test_attention_matmuls_get_one_quantizer_per_operand_and_parameter_add_stays_float():
+    torch.manual_seed(0)
+    m = Attention().eval()
+    summary = quantize_model(m)
+    glue = [n for n in summary.quantized if ".lq_glue." in n or n.startswith("lq_glue.")]
+    assert glue == ["lq_glue.matmul_0", "lq_glue.matmul_1"]
+    assert summary["lq_glue.matmul_0"].num_quantizers == 2 and summary["lq_glue.matmul_0"].type == "a @ b"
+    assert sorted(m.lq_glue.keys()) == ["matmul_0_a", "matmul_0_b", "matmul_1_a", "matmul_1_b"]
+    assert not hasattr(m.lq_glue, "add_0")  # x + self.pos: a parameter, not a join of activations
+    x = torch.randn(2, 6, 16)
+    calibrate_model(m, [x])
+    g = m.lq_glue
+    with torch.no_grad():
+        h = x + m.pos
+        scores = _fq(m.q(h), g.matmul_0_a) @ _fq(m.k(h).transpose(-2, -1), g.matmul_0_b) / 16 ** 0.5
+        want = _fq(torch.softmax(scores, -1), g.matmul_1_a) @ _fq(m.v(h), g.matmul_1_b)
+        torch.testing.assert_close(m(x), want, rtol=0, atol=0)
+
+
+def test_second_call_is_idempotent_and_state_dict_round_trips():
+    torch.manual_seed(0)
+    m = Net().eval()
+    quantize_model(m)
+    x = torch.randn(4, 3, 12, 12)
+    calibrate_model(m, [x])
+    again = quantize_model(m)
+    assert again.quantized == []
+    assert {r.name for r in again if r.status == "already quantized"} >= {"block.lq_glue.add_0", "lq_glue.cat_0"}
+    fresh = Net().eval()
+    quantize_model(fresh)
+    fresh.load_state_dict(m.state_dict())  # strict: the same keys, glue quantizers included
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), m(x))
+
+
+def test_dequantize_restores_the_float_model():
+    torch.manual_seed(0)
+    m = Net().eval()
+    ref = copy.deepcopy(m)
+    quantize_model(m)
+    calibrate_model(m, [torch.randn(2, 3, 12, 12)])
+    dequantize_model(m)
+    assert type(m.block) is Block and "lq_glue" not in m.block._modules and "lq_glue" not in m._modules
+    x = torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), ref(x))
+
+
+def test_glue_false_and_exclude_leave_the_forward_alone():
+    m = Net().eval()
+    quantize_model(m, glue=False)
+    assert not isinstance(m.block, GlueQuantized) and "lq_glue" not in m._modules
+    m2 = Net().eval()
+    quantize_model(m2, exclude=["block.lq_glue.*"])
+    assert not isinstance(m2.block, GlueQuantized) and isinstance(m2, GlueQuantized)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: torch.fx cannot follow it
+            return self.a(x) + self.b(x)
+        return self.a(x)
+
+
+class OptionalArg(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x, skip=None):
+        return self.a(x) + (x if skip is None else skip)
+
+
+class TrainingBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        return y + x if self.training else y
+
+
+@pytest.mark.parametrize("cls, why", [(DataDependent, "torch.fx cannot trace"),
+                                      (OptionalArg, "optional argument (skip=None)"),
+                                      (TrainingBranch, "differs between training and evaluation")])
+def test_a_module_lq_cannot_analyse_keeps_working_and_is_named(cls, why):
+    torch.manual_seed(0)
+    m = cls().eval()
+    ref = copy.deepcopy(m)
+    summary = quantize_model(m)
+    assert not isinstance(m, GlueQuantized)
+    note = [n for n in summary.notes if "stays float" in n]
+    assert len(note) == 1 and f"({cls.__name__})" in note[0] and why in note[0]
+    x = torch.randn(3, 4).abs()
+    calibrate_model(m, [x])
+    for mod in (m, ref):
+        for _, q in mod.named_modules():
+            if hasattr(q, "disable") and hasattr(q, "amax"):
+                q.disable()
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), ref(x))  # runs, and computes the float glue as before
+
+
+def test_export_runs_plain_add_as_integer_add_and_fuses_the_convs(tmp_path):
+    pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    m = Net().eval()
+    quantize_model(m)
+    x = torch.randn(4, 3, 12, 12)
+    calibrate_model(m, [x])
+    res = export_onnx(m, x, str(tmp_path / "m.onnx"))  # verified against PyTorch inside
+    kernels = {(k.layer, k.op): k.kernel for k in res.layer_kernels}
+    assert kernels[("block", "Add")] == "QLinearAdd"
+    assert kernels[("block.conv2", "Conv")] == "QLinearConv"  # its output now has a quantizer
+    assert kernels[("block.conv1", "Conv")] == "QLinearConv"
+
+
+class LitResidual(__import__("lightning").LightningModule):
+    """A LightningModule whose own forward holds a plain ``+`` (the root module is rewritten in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 8, 3, padding=1)
+        self.block = Block()
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        h = F.relu(self.stem(x))
+        h = self.block(h) + h
+        return self.head(h.mean((2, 3)))
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, _):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_quant_callback_trains_checkpoints_and_exports_a_model_with_plain_adds(tmp_path):
+    pytest.importorskip("onnxruntime")
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import lq
+    from lq.config import ExportConfig
+    from lq.zoo import DigitsDataModule
+
+    dm = DigitsDataModule(batch_size=64)
+    dm.setup()
+    L.seed_everything(0)
+    model = LitResidual()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    cb = lq.QuantCallback(export=ExportConfig(path="int8.onnx"), verbose=False)
+    L.Trainer(max_epochs=1, limit_train_batches=4, limit_val_batches=2, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, default_root_dir=str(tmp_path), accelerator="cpu",
+              callbacks=[cb, ckpt]).fit(model, datamodule=dm)
+    assert isinstance(model, LitResidual) and isinstance(model, GlueQuantized)
+    assert float(model.lq_glue.add_0.amax) > 0 and float(model.block.lq_glue.add_0.amax) > 0
+    kernels = {(k.layer, k.op): k.kernel for k in cb.exporter.result.layer_kernels}
+    assert kernels[("block", "Add")] == "QLinearAdd" and kernels[("block.conv2", "Conv")] == "QLinearConv"
+    x = dm.arrays("test")[0][:16]
+    model.eval()
+    with torch.no_grad():
+        expected = model(x)
+    loaded = lq.load_quantized(LitResidual, ckpt.last_model_path)  # glue quantizers and amax come back
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), expected)
