@@ -493,14 +493,22 @@ def quantize_model(
     visit(model, "")
 
     # ---- glue ops in the modules' own forwards (traced, nothing modified)
-    glue_plans, glue_notes = [], []
+    glue_plans, glue_outputs, glue_notes = [], [], []
     if glue:
         from lq import glue as _glue
 
-        glue_plans, glue_already, glue_notes = _glue.plan(
+        glue_plans, glue_outputs, glue_already, glue_notes = _glue.plan(
             model, selected=lambda n: _matches(n, include) and not _matches(n, exclude),
-            skip=lambda m: isinstance(m, QuantMixin) or id(m) in targets)
+            skip=lambda m: isinstance(m, QuantMixin) or id(m) in targets,
+            will_be_quantized=lambda m: isinstance(m, QuantMixin) or id(m) in targets)
         glue_plans = [p for p in glue_plans if not any(_matches(q, exclude) for q in p.quantizer_paths())]
+        glue_outputs = [o for o in glue_outputs if not _matches(o.path, exclude)]
+        for name, m in model.named_modules():
+            if isinstance(m, QuantMixin) and _glue._outputs.has_output_quantizer(m):
+                path = f"{name}.{_glue._outputs.ATTR}"
+                layers.append(LayerSummary.of_glue(path, "output", [m._modules[_glue._outputs.ATTR]],
+                                                   "already quantized"))
+                already[id(m._modules[_glue._outputs.ATTR])] = path
         for name in glue_already:
             m = model.get_submodule(name)
             for qname, qd in m._modules[_glue.CHILD].items():
@@ -510,7 +518,7 @@ def quantize_model(
 
     # ---- overrides: validate that every glob hits a quantized layer
     quant_names = ([t.name for t in targets.values()] + list(already.values())
-                   + [q for p in glue_plans for q in p.quantizer_paths()])
+                   + [q for p in glue_plans for q in p.quantizer_paths()] + [o.path for o in glue_outputs])
     for pattern, _ in rules:
         if not any(_matches(n, [pattern]) for n in quant_names):
             sample = ", ".join(quant_names[:8]) + (" ..." if len(quant_names) > 8 else "")
@@ -559,6 +567,10 @@ def quantize_model(
         if device is not None:
             p.quantizers.to(device)
     glue_plans = [p for p in glue_plans if p.cls is not None]
+    output_quantizers = []
+    for o in glue_outputs:
+        q = _glue.GlueQuantizer(glue_desc(o.path))
+        output_quantizers.append(q.to(device) if device is not None else q)
 
     # ---- phase 3: commit (plain dict assignments; cannot fail half way)
     notes = list(glue_notes)
@@ -566,6 +578,10 @@ def quantize_model(
         for parent, attr in t.locations:
             parent._modules[attr] = t.new
         layers[t.row] = LayerSummary.of(t.name, t.new, "quantized")
+    for o, q in zip(glue_outputs, output_quantizers, strict=True):
+        layer = targets[id(o.layer)].new if id(o.layer) in targets else o.layer
+        _glue._outputs.commit(o, layer, q)
+        layers.append(LayerSummary.of_glue(o.path, f"output -> {o.reader}", [q], "quantized"))
     for p in glue_plans:
         p.commit()
         for s in p.sites:
@@ -589,6 +605,7 @@ def dequantize_model(model: nn.Module) -> nn.Module:
 
     for m in list(model.modules()):
         _glue.remove(m)
+        _glue._outputs.remove(m)
     replaced: dict[int, nn.Module] = {}
     stack = [model]
     seen = set()

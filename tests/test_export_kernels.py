@@ -39,7 +39,8 @@ class ResidualNet(nn.Module):
 
 
 class GroupNormNet(nn.Module):
-    """A conv read by GroupNorm, as models are written today: onnxruntime cannot fuse that conv."""
+    """A conv read by GroupNorm, as models are written today: without an output quantizer (``glue=False``)
+    onnxruntime cannot fuse that conv."""
 
     def __init__(self):
         super().__init__()
@@ -52,9 +53,9 @@ class GroupNormNet(nn.Module):
         return self.fc(y.mean((2, 3)))
 
 
-def _quantized(model, x):
+def _quantized(model, x, glue=True):
     model = model.eval()
-    quantize_model(model)
+    quantize_model(model, glue=glue)
     calibrate_model(model, [x])
     return model
 
@@ -81,7 +82,7 @@ def test_integer_kernels_match_onnxruntimes_optimized_graph(tmp_path):
 
 def test_float_layer_is_reported_with_its_reason(tmp_path):
     x = torch.randn(4, 3, 16, 16)
-    res = _export(_quantized(GroupNormNet(), x), x, tmp_path)
+    res = _export(_quantized(GroupNormNet(), x, glue=False), x, tmp_path)
     c1 = next(k for k in res.layer_kernels if k.layer == "c1")
     assert c1.kernel not in INT8_KERNELS and c1.kernel in optimized_op_counts(res.path)
     assert "read by gn (" in c1.reason and "without a quantizer" in c1.reason  # the module that reads it
@@ -92,7 +93,7 @@ def test_float_layer_is_reported_with_its_reason(tmp_path):
 def test_float_twin_is_the_model_without_quantizers(tmp_path, monkeypatch):
     """The FP32 graph timed against the INT8 file computes the PyTorch model with quantization off."""
     x = torch.randn(4, 3, 16, 16)
-    model = _quantized(GroupNormNet(), x)
+    model = _quantized(GroupNormNet(), x, glue=False)
     seen = {}
     real = _timing.speedup
 
@@ -116,7 +117,7 @@ def test_float_twin_is_the_model_without_quantizers(tmp_path, monkeypatch):
 def test_slower_than_fp32_warns_with_ratio_and_float_layers(tmp_path, monkeypatch):
     x = torch.randn(4, 3, 16, 16)
     monkeypatch.setattr(_timing, "speedup", lambda *a, **k: (0.52, 2.0, 1.04))
-    res = _export(_quantized(GroupNormNet(), x), x, tmp_path)
+    res = _export(_quantized(GroupNormNet(), x, glue=False), x, tmp_path)
     slow = [w for w in res.warnings if "the speed of FP32" in w]
     assert len(slow) == 1 and "0.52x" in slow[0] and "c1 (" in slow[0]
     assert "fc (" not in slow[0]  # fc runs QGemm: not responsible
@@ -131,7 +132,7 @@ def test_no_slowdown_warning_when_faster(tmp_path, monkeypatch):
 
 def test_quantizer_table_gets_the_kernel_column(tmp_path):
     x = torch.randn(4, 3, 16, 16)
-    model = _quantized(GroupNormNet(), x)
+    model = _quantized(GroupNormNet(), x, glue=False)
     res = _export(model, x, tmp_path)
     rows = report.with_kernels(report.quantizer_rows(model), res)
     by_q = {r["quantizer"]: r[report.KERNEL_COLUMN] for r in rows}

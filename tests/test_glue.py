@@ -274,3 +274,38 @@ def test_quant_callback_trains_checkpoints_and_exports_a_model_with_plain_adds(t
     loaded = lq.load_quantized(LitResidual, ckpt.last_model_path)  # glue quantizers and amax come back
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), expected)
+
+
+class NormAfterConv(nn.Module):
+    """A conv read by GroupNorm in the module's forward, and a Linear read by GELU inside an nn.Sequential."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 10))
+
+    def forward(self, x):
+        return self.mlp(F.silu(self.norm(self.conv(x))).mean((2, 3)))
+
+
+def test_layers_read_by_float_ops_get_output_quantizers_and_fuse(tmp_path):
+    pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    m = NormAfterConv().eval()
+    summary = quantize_model(m)
+    assert {"conv._output_quantizer", "mlp.0._output_quantizer"} <= set(summary.quantized)
+    assert "mlp.2._output_quantizer" not in summary.quantized  # a model output: nothing float reads it
+    assert summary["conv._output_quantizer"].type == "output -> GroupNorm"
+    assert [type(c).__name__ for c in m.mlp] == ["QuantLinear", "GELU", "QuantLinear"]  # indexing untouched
+    x = torch.randn(4, 3, 10, 10)
+    calibrate_model(m, [x])
+    with torch.no_grad():  # the conv's output, quantized by hand with the output quantizer's amax
+        want = _fq(m.conv._conv_forward(m.conv._input_quantizer(x), m.conv._weight_quantizer(m.conv.weight),
+                                        m.conv.bias), m.conv._output_quantizer)
+        torch.testing.assert_close(m.conv(x), want, rtol=0, atol=0)
+    res = export_onnx(m, x, str(tmp_path / "m.onnx"))
+    kernels = {k.layer: k.kernel for k in res.layer_kernels}
+    assert kernels["conv"] == "QLinearConv" and kernels["mlp.0"] in ("QGemm", "QLinearMatMul")
+    dequantize_model(m)
+    assert not m.conv._forward_hooks and "_output_quantizer" not in m.conv._modules

@@ -20,12 +20,14 @@ from typing import Callable
 import torch.fx as fx
 from torch import nn
 
+from lq.glue import _outputs
+from lq.glue._outputs import OutputSite
 from lq.glue._rewrite import CHILD, GlueQuantized, GlueQuantizer, commit, glue_class, remove
 from lq.glue._rules import FUNCTIONS, METHODS, GlueRule
 from lq.glue._sites import Site, find_sites
 from lq.glue._trace import trace
 
-__all__ = ["GluePlan", "plan", "GlueQuantized", "GlueQuantizer", "CHILD", "remove", "FUNCTIONS", "METHODS",
+__all__ = ["GluePlan", "OutputSite", "plan", "GlueQuantized", "GlueQuantizer", "CHILD", "remove", "FUNCTIONS", "METHODS",
            "GlueRule", "is_glue_quantized"]
 
 #: classes defined here are library code: their forwards are not rewritten
@@ -84,14 +86,24 @@ def _may_have_glue(m: nn.Module) -> bool:
     return bool(_GLUE_TEXT.search(body))
 
 
-def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.Module], bool]):
-    """``(plans, already, notes)``: modules whose forward has glue to quantize, names of modules that already
-    have glue quantizers, and one note per module that may hold glue but cannot be analysed."""
+def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.Module], bool],
+         will_be_quantized: Callable[[nn.Module], bool]):
+    """``(plans, outputs, already, notes)``: modules whose forward has glue to quantize, layers whose output a
+    float op reads (:mod:`lq.glue._outputs`), names of modules that already have glue quantizers, and one
+    note per module that may hold glue but cannot be analysed."""
     plans, already = [], []
+    outputs: dict[int, OutputSite] = {}
+
+    def wants(layer):
+        return _outputs.wants_output_quantizer(layer, will_be_quantized) and id(layer) not in outputs
+
     refused: dict[tuple[type, str], list[str]] = {}  # one note per class and reason, naming every module
     for name, m in model.named_modules():
         if is_glue_quantized(m):
             already.append(name)
+            continue
+        if type(m) is nn.Sequential and selected(name):
+            outputs.update((id(o.layer), o) for o in _outputs.sites_in_sequential(m, name, wants))
             continue
         if skip(m) or _is_library(m) or not selected(name):
             continue
@@ -100,6 +112,7 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
             if _may_have_glue(m):
                 refused.setdefault((type(m), why), []).append(name or "the model")
             continue
+        outputs.update((id(o.layer), o) for o in _outputs.sites_in_graph(m, name, graph, wants))
         sites = find_sites(graph)
         if sites:
             plans.append(GluePlan(name, m, graph, sites))
@@ -107,4 +120,4 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
              f"{f' x{len(names)}' if len(names) > 1 else ''}): {why}; any +, torch.cat or matmul in its forward "
              "stays float (lq.nn.QuantAdd / QuantCat quantize them explicitly)"
              for (cls, why), names in refused.items()]
-    return plans, already, notes
+    return plans, list(outputs.values()), already, notes

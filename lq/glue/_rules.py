@@ -43,3 +43,27 @@ FUNCTIONS = {
 }
 #: call_method targets (``x.add(y)``, ``a.matmul(b)``)
 METHODS = {"add": ADD, "matmul": MATMUL, "bmm": MATMUL}
+
+
+# --------------------------------------------------------------------------- output quantizers
+#: layers whose output gets a quantizer when a float op reads it (see FLOAT_READER_*): onnxruntime runs
+#: ``DQ -> Conv/Gemm/MatMul`` as an integer kernel only when a QuantizeLinear reads the output, and TensorRT
+#: then keeps the layer's output in INT8 as well. The cost is one Q/DQ pair on a tensor the layer already
+#: writes, far less than a float conv/gemm.
+OUTPUT_LAYERS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
+
+#: readers that take a float input and have no quantizer of their own: normalizations and activations other
+#: than ReLU/ReLU6 (the export moves a quantizer across those exactly, so a quantized reader after them
+#: suffices). Modules by type, functions by identity, tensor methods by name.
+FLOAT_READER_MODULES = (
+    torch.nn.GroupNorm, torch.nn.LayerNorm, torch.nn.SiLU, torch.nn.GELU, torch.nn.Sigmoid, torch.nn.Tanh,
+    torch.nn.Hardswish, torch.nn.Hardsigmoid, torch.nn.Mish, torch.nn.ELU, torch.nn.LeakyReLU, torch.nn.PReLU,
+    torch.nn.Softmax,
+)
+FLOAT_READER_FUNCTIONS = {
+    torch.nn.functional.silu, torch.nn.functional.gelu, torch.sigmoid, torch.nn.functional.sigmoid, torch.tanh,
+    torch.nn.functional.hardswish, torch.nn.functional.mish, torch.nn.functional.elu,
+    torch.nn.functional.leaky_relu, torch.nn.functional.prelu, torch.softmax, torch.nn.functional.softmax,
+    torch.nn.functional.group_norm, torch.nn.functional.layer_norm,
+}
+FLOAT_READER_METHODS = {"sigmoid", "tanh", "softmax"}

@@ -1,0 +1,99 @@
+"""Output quantizers for quantized layers that a float op reads (a conv before GroupNorm, a linear before GELU).
+
+Found at the level of the parent module: in its traced forward (``self.norm(self.conv(x))``) or, for an
+``nn.Sequential``, between consecutive children. The quantizer lives on the layer itself as
+``<layer>._output_quantizer`` (so state_dict, calibration and the summary find it like any other) and a
+forward hook applies it: the layer's class and forward stay as they are, ``nn.Sequential`` indexing is
+untouched, and :func:`remove` takes both away again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+from torch import nn
+
+from lq.glue._rules import FLOAT_READER_FUNCTIONS, FLOAT_READER_METHODS, FLOAT_READER_MODULES, OUTPUT_LAYERS
+
+ATTR = "_output_quantizer"
+_HOOK_ID = "_lq_output_hook"
+
+
+def quantize_output(module: nn.Module, args, output):
+    """The forward hook: the layer's output through its output quantizer (looked up at call time, so a deep
+    copy of the model quantizes with its own copy)."""
+    return module._modules[ATTR](output)
+
+
+@dataclasses.dataclass
+class OutputSite:
+    """One layer whose output a float op reads."""
+
+    name: str  # the layer's module path
+    layer: nn.Module
+    reader: str  # what reads it, for the summary
+
+    @property
+    def path(self) -> str:
+        return f"{self.name}.{ATTR}" if self.name else ATTR
+
+
+def _reader(node: fx.Node, parent: nn.Module) -> str | None:
+    if node.op == "call_module":
+        m = parent.get_submodule(node.target)
+        return type(m).__name__ if isinstance(m, FLOAT_READER_MODULES) else None
+    if node.op == "call_function" and node.target in FLOAT_READER_FUNCTIONS:
+        return getattr(node.target, "__name__", str(node.target))
+    if node.op == "call_method" and node.target in FLOAT_READER_METHODS:
+        return node.target
+    return None
+
+
+def sites_in_graph(parent: nn.Module, prefix: str, graph: fx.Graph, wants) -> list[OutputSite]:
+    """Children of ``parent`` called in ``graph`` whose output a float reader takes."""
+    out = []
+    for n in graph.nodes:
+        if n.op != "call_module":
+            continue
+        layer = parent.get_submodule(n.target)
+        if not wants(layer):
+            continue
+        readers = [r for r in (_reader(u, parent) for u in n.users) if r]
+        if readers:
+            out.append(OutputSite(f"{prefix}.{n.target}" if prefix else n.target, layer, readers[0]))
+    return out
+
+
+def sites_in_sequential(seq: nn.Sequential, prefix: str, wants) -> list[OutputSite]:
+    """Consecutive children ``(layer, reader)`` of an ``nn.Sequential``."""
+    items = list(seq._modules.items())
+    out = []
+    for (name, layer), (_, nxt) in zip(items, items[1:]):
+        if wants(layer) and isinstance(nxt, FLOAT_READER_MODULES):
+            out.append(OutputSite(f"{prefix}.{name}" if prefix else name, layer, type(nxt).__name__))
+    return out
+
+
+def wants_output_quantizer(layer: nn.Module, will_be_quantized) -> bool:
+    return (isinstance(layer, OUTPUT_LAYERS) and will_be_quantized(layer)
+            and not has_output_quantizer(layer))
+
+
+def has_output_quantizer(layer: nn.Module) -> bool:
+    return ATTR in layer._modules
+
+
+def commit(site: OutputSite, layer: nn.Module, quantizer: nn.Module) -> None:
+    """Attach ``quantizer`` to ``layer`` (the converted layer, which may be a new object) with the hook."""
+    layer._modules[ATTR] = quantizer
+    handle = layer.register_forward_hook(quantize_output)
+    layer.__dict__[_HOOK_ID] = handle.id
+
+
+def remove(layer: nn.Module) -> None:
+    """Take an output quantizer and its hook off ``layer``."""
+    hook = layer.__dict__.pop(_HOOK_ID, None)
+    if hook is not None:
+        layer._forward_hooks.pop(hook, None)
+    layer._modules.pop(ATTR, None)
