@@ -5,7 +5,8 @@
 Reports, in one run (medians of ``--repeats`` timed runs):
 
 * histogram collection (``HistogramCalibrator.collect`` once its range is
-  established, i.e. one ``abs_histogram`` pass) and the raw
+  established, i.e. one ``abs_histogram`` pass; and per batch when a second
+  batch grows the grid, i.e. up to two passes) and the raw
   ``torch.ops.lq.abs_histogram`` op, in GB/s and as a ratio to ``x.clone()``
   on the same float32 tensor (target >= 0.5x with the C++ kernel);
 * ``MaxCalibrator.collect`` per tensor and per channel against a single
@@ -64,9 +65,12 @@ def main(argv=None) -> int:
     hist = calib.HistogramCalibrator(8)
     hist.collect(x * 1.01)  # establish the range: later batches take one pass
     row("HistogramCalibrator.collect (per tensor)", _time(lambda: hist.collect(x), args.repeats))
-    rng = hist._range[0]
+    rng = hist._calib_bin_edges[-1]
     row("torch.ops.lq.abs_histogram (per tensor)",
         _time(lambda: torch.ops.lq.abs_histogram(x, rng, 2048, None), args.repeats))
+    grow = calib.HistogramCalibrator(8)
+    row("HistogramCalibrator.collect (growing 1.5x)",
+        _time(lambda: (grow.reset(), grow.collect(x), grow.collect(x * 1.5)), args.repeats) / 2)
     x2 = x.view(64, -1)
     hist_pc = calib.HistogramCalibrator(8, axis=0)
     hist_pc.collect(x2 * 1.01)

@@ -7,10 +7,14 @@ model on one batch.
 
 Every quantizer gets the calibrator its method needs (``max`` for the max
 method, a histogram for entropy / percentile / mse); the model runs in eval
-mode under ``no_grad`` with quantization off and collection on; under
-``torch.distributed`` each calibrator's state is reduced across ranks (max:
-all-reduce MAX; histograms: shared range, summed counts) so every rank ends
-with the same amax. Switches and train/eval mode are restored in
+mode under ``no_grad`` with quantization off and collection on. Histogram
+methods take two passes over the same batches, as TensorRT's calibrator does:
+a range pass (max, reduced across processes) fixes every histogram's range to
+the global absmax, then the histogram pass bins all the data on ``[0, absmax]``
+— the grid the reference algorithms are written for, independent of the batch
+order. Under ``torch.distributed`` each calibrator's state is then reduced
+across ranks (max: all-reduce MAX; histograms: the same grid everywhere, summed
+counts) so every rank ends with the same amax. Switches and train/eval mode are restored in
 ``finally`` whatever happens, and amax is only written once every quantizer
 has data, so an error never leaves a model half-calibrated.
 """
@@ -18,7 +22,7 @@ has data, so an error never leaves a model half-calibrated.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -110,18 +114,56 @@ def collect(
     forward: Callable[[nn.Module, Any], Any] = default_forward,
     num_bins: int = 2048,
     progress: Callable[[Iterable, int | None], Iterable] | None = None,
+    process_group=None,
 ) -> int:
-    """Run ``model`` over up to ``num_batches`` batches with collection on; return how many ran."""
+    """Run ``model`` over up to ``num_batches`` batches with collection on; return how many ran.
+
+    Without histogram methods that is one pass. With them, a range pass first
+    (every quantizer on a max calibrator; the histogram quantizers' ranges are
+    reduced over ``process_group``), then a histogram pass over the same batches
+    with each histogram started on its global range (only the histogram
+    quantizers collect). A one-shot iterator is read into a list first.
+    """
     from lq import calib
 
+    hist = []  # (name, quantizer, its histogram calibrator for the second pass)
     for name, q in quantizers:
-        kind = calibrator_kind(methods[name])
-        if not _has_kind(q, kind) or (kind == "histogram" and q.calibrator.num_bins != num_bins):
-            if kind == "histogram":
-                q.calibrator = calib.HistogramCalibrator(q.num_bits, q.axis, q.unsigned, num_bins=num_bins)
-            else:
-                q.calibrator = kind
+        if calibrator_kind(methods[name]) == "histogram":
+            keep = _has_kind(q, "histogram") and q.calibrator.num_bins == num_bins  # a user's settings stay
+            hist.append((name, q, q.calibrator if keep else
+                         calib.HistogramCalibrator(q.num_bits, q.axis, q.unsigned, num_bins=num_bins)))
+            q.calibrator = "max"  # the range pass
+        elif not _has_kind(q, "max"):
+            q.calibrator = "max"
         q.calibrator.reset()
+    if hist:
+        batches = _replayable(batches, num_batches)
+    seen = _run(model, batches, quantizers, num_batches, forward, progress)
+    if not hist:
+        return seen
+    ranges = []
+    for _, q, _ in hist:
+        q.calibrator.sync(process_group)
+        ranges.append(q.calibrator.compute_amax())
+    for (_, q, cal), rng in zip(hist, ranges):
+        cal.reset()
+        if rng is not None:  # else no rank saw data: left empty (load_amax names it)
+            cal.set_range(rng)
+        q.calibrator = cal
+    _run(model, batches, quantizers, num_batches, forward, progress, collecting={id(q) for _, q, _ in hist})
+    return seen
+
+
+def _replayable(batches: Iterable, num_batches: int | None) -> Iterable:
+    """``batches`` itself when it can be iterated again (a list, a DataLoader), else its first batches as a list."""
+    if not isinstance(batches, Iterator):
+        return batches
+    return list(batches) if num_batches is None else [b for _, b in zip(range(num_batches), batches)]
+
+
+def _run(model, batches, quantizers, num_batches, forward, progress, collecting=None) -> int:
+    """One pass over the batches with ``quantizers`` not quantizing and collecting (only the ids in
+    ``collecting`` when given, the others pass their input through); switches restored after."""
     saved = [(q, q._if_quant, q._if_calib) for _, q in quantizers]
     was_training = model.training
     seen = 0
@@ -129,7 +171,10 @@ def collect(
         model.eval()
         for _, q in quantizers:
             q.disable_quant()
-            q.enable_calib()
+            if collecting is None or id(q) in collecting:
+                q.enable_calib()
+            else:
+                q.disable_calib()
         it = batches if progress is None else progress(batches, num_batches)
         with torch.no_grad():
             for batch in it:
@@ -256,7 +301,7 @@ def calibrate_model(
         return {}
     methods = methods_for(quantizers, method, weight_method, method_overrides)
     seen = collect(model, batches, quantizers, methods, num_batches=num_batches, forward=forward,
-                   num_bins=num_bins, progress=progress)
+                   num_bins=num_bins, progress=progress, process_group=process_group)
     # a rank whose shard is empty still joins the reduction below (an empty contribution): deciding on the
     # global count keeps every rank on the same path, where a local raise would leave the others hanging
     if global_count(seen, process_group) == 0:

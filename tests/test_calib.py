@@ -11,82 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from _calib_reference import RefHistogram, entropy_amax, kl_at, mse_amax, mse_at, percentile_amax
 from lq import calib
 
 torch.set_flush_denormal(True)
-
-
-# ====================================================================== independent implementations
-def loop_entropy(hist, edges, num_bits=8, unsigned=False, stride=1, start_bin=128):
-    """TensorRT KL calibration, one candidate at a time (numpy, float64)."""
-    bins = np.asarray(hist, dtype=np.float64).copy()
-    bins[0] = bins[1]
-    nbins = 1 << (num_bits - 1 + int(unsigned))
-    best_i, best_kl = None, np.inf
-    for i in range(start_bin, len(bins) + 1, stride):
-        space = np.linspace(0, i, num=nbins + 1)
-        groups = np.digitize(np.arange(i), space) - 1
-        nonempty = bins[:i] > 0
-        sums = np.bincount(groups[nonempty], weights=bins[:i][nonempty], minlength=nbins)
-        cnts = np.bincount(groups[nonempty], minlength=nbins)
-        q = np.where(nonempty, sums[groups] / np.maximum(cnts[groups], 1), 0.0)
-        p = bins[:i].copy()
-        p[-1] += bins[i:].sum()
-        if q.sum() <= 0:
-            kl = np.inf
-        else:
-            p = p / p.sum()
-            q = q / q.sum()
-            m = p > 0
-            kl = np.inf if np.any(q[m] == 0) else float(np.sum(p[m] * np.log(p[m] / q[m])))
-        if kl <= best_kl:  # last minimum
-            best_i, best_kl = i, kl
-    return edges[best_i], best_kl
-
-
-def _kl_at(hist, i, num_bits, unsigned):
-    bins = np.asarray(hist, dtype=np.float64).copy()
-    bins[0] = bins[1]
-    nbins = 1 << (num_bits - 1 + int(unsigned))
-    space = np.linspace(0, i, num=nbins + 1)
-    groups = np.digitize(np.arange(i), space) - 1
-    nonempty = bins[:i] > 0
-    sums = np.bincount(groups[nonempty], weights=bins[:i][nonempty], minlength=nbins)
-    cnts = np.bincount(groups[nonempty], minlength=nbins)
-    q = np.where(nonempty, sums[groups] / np.maximum(cnts[groups], 1), 0.0)
-    p = bins[:i].copy()
-    p[-1] += bins[i:].sum()
-    p, q = p / p.sum(), q / q.sum()
-    m = p > 0
-    return float(np.sum(p[m] * np.log(p[m] / q[m])))
-
-
-def mse_at(hist, edges, amax, num_bits=8, unsigned=False):
-    centers = ((edges[1:] + edges[:-1]) / 2).astype(np.float32)
-    maxb = np.float32(2 ** (num_bits - 1 + int(unsigned)) - 1)
-    scale = maxb / np.float32(amax)
-    q = np.clip(np.round(centers * scale), -maxb, maxb) / scale
-    return float(np.sum((q.astype(np.float64) - centers) ** 2 * np.asarray(hist, dtype=np.float64)))
-
-
-def loop_mse(hist, edges, num_bits=8, unsigned=False, stride=1, start_bin=128):
-    centers = ((edges[1:] + edges[:-1]) / 2).astype(np.float32)
-    best, best_err = None, np.inf
-    for i in range(start_bin, len(centers), stride):
-        err = mse_at(hist, edges, centers[i], num_bits, unsigned)
-        if err < best_err:
-            best, best_err = centers[i], err
-    return best, best_err
-
-
-def loop_percentile(hist, edges, percentile):
-    total = float(np.sum(hist))
-    run = 0.0
-    for j, c in enumerate(hist):
-        run += float(c)
-        if run / total >= percentile / 100.0:
-            return edges[j + 1]
-    return edges[-1]
 
 
 def _np(t):
@@ -178,21 +106,94 @@ def test_max_block_sizes():
 
 
 # ====================================================================== histogram collection
-def test_histogram_counts_are_exact_and_order_independent():
+def _f32_width(rng, num_bins):
+    """Smallest float32 bin width that covers ``rng`` in ``num_bins`` bins (the documented start of the grid)."""
+    w = np.float32(rng / num_bins)
+    return w if float(w) * num_bins >= rng else np.nextafter(w, np.float32(np.inf))
+
+
+def _f32_counts(x, w, n):
+    """The documented binning rule, in float32: ``floor(|x| * fl(1 / w))``, the top bin closed."""
+    a = np.abs(x.numpy().astype(np.float32).ravel())
+    inv = np.float32(np.float32(1) / np.float32(w))
+    return np.bincount(np.minimum(np.floor(a * inv), n - 1).astype(np.int64), minlength=n)
+
+
+def test_histogram_with_a_range_is_exact_and_order_independent():
     xs = [seeded((1000,), s) * (s + 1) for s in range(4)]
-    a = calib.HistogramCalibrator(8, num_bins=256)
+    rng = max(float(x.abs().max()) for x in xs)
+    a = calib.HistogramCalibrator(8, num_bins=256).set_range(rng)
     for x in xs:
         a.collect(x)
-    b = calib.HistogramCalibrator(8, num_bins=256)
+    b = calib.HistogramCalibrator(8, num_bins=256).set_range(torch.tensor(rng))
     for x in reversed(xs):
         b.collect(x)
+    assert torch.equal(a._calib_hist, b._calib_hist) and a._calib_hist.shape == (256,)
+    w = _f32_width(rng, 256)
+    assert float(a.bin_width) == float(w) and float(a._calib_bin_edges[-1]) == pytest.approx(rng, rel=1e-6)
+    assert np.array_equal(a._calib_hist.numpy(), _f32_counts(torch.cat(xs), w, 256))
+    # the reference's grid on [0, max], counted in float64: the same but for values on a bin edge
+    ref = RefHistogram(256, start=rng).collect(torch.cat(xs).numpy())
+    assert np.abs(ref.hist - a._calib_hist.numpy()).sum() <= 4 and int(a._calib_hist.sum()) == 4000
+    with pytest.raises(RuntimeError, match="before collect"):
+        a.set_range(1.0)
+    with pytest.raises(ValueError, match="finite"):
+        calib.HistogramCalibrator(8).set_range(float("nan"))
+
+
+def test_histogram_without_a_range_grows_like_the_reference():
+    """collect() from user code: the first batch's max starts the grid, later batches append bins of that width."""
+    xs = [seeded((3000,), s) * (1 + s / 2) for s in range(4)]
+    c = calib.HistogramCalibrator(8, num_bins=256)
+    ref = RefHistogram(256)
+    for x in xs:
+        c.collect(x)
+        ref.collect(x.numpy())
+        assert c._calib_hist.shape == ref.hist.shape  # the same bins, grown the same way
+    assert len(ref.hist) > 256
+    assert float(c.bin_width) == pytest.approx(float(xs[0].abs().max()) / 256, rel=1e-6)
+    assert np.abs(ref.hist - c._calib_hist.numpy()).sum() <= 8 and int(c._calib_hist.sum()) == 12000
+    # the first batch decides the grid (as in the reference): another order, another grid
+    r = calib.HistogramCalibrator(8, num_bins=256)
+    for x in reversed(xs):
+        r.collect(x)
+    assert r._calib_hist.shape == (256,)
+
+
+def test_histogram_growth_is_bounded_and_merging_pairs_is_exact():
+    xs = [seeded((4000,), 20), seeded((4000,), 21) * 7]  # the second batch needs ~7x the bins
+    big = calib.HistogramCalibrator(8, num_bins=256, max_bins=4096)
+    small = calib.HistogramCalibrator(8, num_bins=256, max_bins=600)
+    for x in xs:
+        big.collect(x)
+        small.collect(x)
+    n_big, n_small = big._calib_hist.numel(), small._calib_hist.numel()
+    assert n_big > 1024 and n_small <= 600
+    k = round(float(small.bin_width) / float(big.bin_width))
+    assert k in (2, 4) and float(small.bin_width) == k * float(big.bin_width)
+    pairs = torch.nn.functional.pad(big._calib_hist, (0, k * n_small - n_big)).reshape(-1, k).sum(1)
+    assert torch.equal(small._calib_hist, pairs)  # the coarse bins hold exactly the fine bins they cover
+    for m in ("entropy", "mse", "percentile"):
+        assert abs(float(small.compute_amax(m)) - float(big.compute_amax(m))) <= 2 * float(small.bin_width), m
+    with pytest.raises(ValueError, match="max_bins"):
+        calib.HistogramCalibrator(8, num_bins=256, max_bins=100)
+
+
+def test_histogram_integer_and_bool_inputs():
+    """Integer tensors are calibrated as float32 (the reference toolkit accepts them); complex ones are refused."""
+    xi = torch.arange(-50, 200)
+    a, b = calib.HistogramCalibrator(8, num_bins=256), calib.HistogramCalibrator(8, num_bins=256)
+    a.collect(xi)
+    b.collect(xi.float())
     assert torch.equal(a._calib_hist, b._calib_hist)
-    allx = torch.cat(xs).abs()
-    rng = float(a._calib_bin_edges[-1])
-    assert rng > float(allx.max()) >= rng / 2  # smallest num_bins * 2^k above absmax
-    ref, _ = np.histogram(allx.numpy(), bins=256, range=(0, rng))
-    assert np.array_equal(a._calib_hist.numpy(), ref)
-    assert int(a._calib_hist.sum()) == 4000
+    for m in ("entropy", "mse", "percentile", "max"):
+        assert torch.equal(a.compute_amax(m), b.compute_amax(m))
+    mx = calib.MaxCalibrator(8)
+    mx.collect(torch.tensor([3, -7], dtype=torch.int8))
+    mx.collect(torch.tensor([True, False]))
+    assert mx.compute_amax().dtype == torch.float32 and float(mx.compute_amax()) == 7.0
+    with pytest.raises(TypeError, match="real tensor"):
+        a.collect(torch.ones(3, dtype=torch.complex64))
 
 
 def test_histogram_all_zero_first_batch_and_skip_zeros():
@@ -234,8 +235,8 @@ def test_entropy_matches_loop(unsigned):
     c.collect(x)
     hist, edges = _np(c._calib_hist), _np(c._calib_bin_edges)
     got = float(c.compute_amax("entropy"))
-    ref, ref_kl = loop_entropy(hist, edges, 8, unsigned)
-    assert got == pytest.approx(ref, rel=0, abs=0) or _kl_at(hist, round(got / edges[1]), 8, unsigned) <= ref_kl + 1e-12
+    ref, ref_kl = entropy_amax(hist, edges, 8, unsigned)
+    assert got == pytest.approx(ref, rel=0, abs=0) or kl_at(hist, round(got / edges[1]), 8, unsigned) <= ref_kl + 1e-12
     assert got < float(c.compute_amax("max"))  # the tail is clipped
 
 
@@ -245,8 +246,8 @@ def test_entropy_stride_start_bin_and_2048_bins():
     c.collect(x)
     hist, edges = _np(c._calib_hist), _np(c._calib_bin_edges)
     got = float(c.compute_amax("entropy", stride=8, start_bin=256))
-    ref, ref_kl = loop_entropy(hist, edges, 8, False, stride=8, start_bin=256)
-    assert got == ref or _kl_at(hist, round(got / edges[1]), 8, False) <= ref_kl + 1e-12
+    ref, ref_kl = entropy_amax(hist, edges, 8, False, stride=8, start_bin=256)
+    assert got == ref or kl_at(hist, round(got / edges[1]), 8, False) <= ref_kl + 1e-12
 
 
 @pytest.mark.parametrize("num_bits,unsigned", [(8, False), (4, False), (8, True)])
@@ -258,7 +259,7 @@ def test_mse_matches_loop(num_bits, unsigned):
     c.collect(x)
     hist, edges = _np(c._calib_hist), _np(c._calib_bin_edges)
     got = float(c.compute_amax("mse"))
-    ref, ref_err = loop_mse(hist, edges, num_bits, unsigned)
+    ref, ref_err = mse_amax(hist, edges, num_bits, unsigned)
     assert got == pytest.approx(float(ref), rel=1e-6) or mse_at(hist, edges, got, num_bits, unsigned) <= ref_err * (1 + 1e-9)
 
 
@@ -285,7 +286,7 @@ def test_percentile_matches_loop(pct):
     x = seeded((20000,), 7, heavy=True)
     c = calib.HistogramCalibrator(8, num_bins=512)
     c.collect(x)
-    ref = min(loop_percentile(_np(c._calib_hist), _np(c._calib_bin_edges), pct), float(x.abs().max()))
+    ref = min(percentile_amax(_np(c._calib_hist), _np(c._calib_bin_edges), pct), float(x.abs().max()))
     assert float(c.compute_amax("percentile", percentile=pct)) == pytest.approx(ref, rel=1e-7)
 
 
@@ -302,15 +303,15 @@ def test_methods_per_channel_match_per_tensor_loops(method):
         got = float(amax[ch])
         top = float(x[ch].abs().max())  # amax never exceeds the largest |x| seen
         if method == "entropy":
-            ref, kl = loop_entropy(hist, edges)
+            ref, kl = entropy_amax(hist, edges)
             assert got == pytest.approx(min(float(ref), top), rel=1e-6) or (
-                got < top and _kl_at(hist, round(got / edges[1]), 8, False) <= kl + 1e-12)
+                got < top and kl_at(hist, round(got / edges[1]), 8, False) <= kl + 1e-12)
         elif method == "mse":
-            ref, err = loop_mse(hist, edges)
+            ref, err = mse_amax(hist, edges)
             assert got == pytest.approx(min(float(ref), top), rel=1e-6) or (
                 got < top and mse_at(hist, edges, got) <= err * (1 + 1e-9))
         else:
-            assert got == pytest.approx(min(loop_percentile(hist, edges, 99.9), top), rel=1e-7)
+            assert got == pytest.approx(min(percentile_amax(hist, edges, 99.9), top), rel=1e-7)
         # and the same as a per-tensor calibrator on that channel alone
         single = calib.HistogramCalibrator(8, num_bins=256)
         single.collect(x[ch])
@@ -402,11 +403,37 @@ def test_merge_equals_collect_all(axis):
     chunks = [seeded((8, 4, 16), s) * (1 + 3 * s) for s in range(4)]  # ranges differ between halves
     whole, merged = _split_vs_whole(lambda: calib.MaxCalibrator(8, axis), chunks)
     assert torch.equal(whole.compute_amax(), merged.compute_amax())
-    whole, merged = _split_vs_whole(lambda: calib.HistogramCalibrator(8, axis, num_bins=256), chunks)
+    # the same starting range (here the first chunk's, so every histogram grows, past max_bins too): exact
+    start = calib.MaxCalibrator(8, axis)
+    start.collect(chunks[0])
+    whole, merged = _split_vs_whole(
+        lambda: calib.HistogramCalibrator(8, axis, num_bins=256).set_range(start.compute_amax()), chunks)
+    assert whole._calib_hist.shape[-1] > 256 and float(whole.bin_width.max()) > float(start.compute_amax().max()) / 256
     assert torch.equal(whole._calib_hist, merged._calib_hist)
     assert torch.equal(whole._calib_bin_edges, merged._calib_bin_edges)
     for m in ("entropy", "mse", "percentile", "max"):
         assert torch.equal(whole.compute_amax(m), merged.compute_amax(m))
+
+
+def test_merge_of_grids_started_on_different_ranges():
+    """No common range: the finer histogram moves onto the coarser grid by bin center (each count < 1 bin)."""
+    x1, x2 = seeded((5000,), 30, heavy=True), seeded((5000,), 31, heavy=True) * 1.37
+    a, b, whole = (calib.HistogramCalibrator(8, num_bins=256) for _ in range(3))
+    a.collect(x1)
+    b.collect(x2)
+    whole.set_range(max(float(x1.abs().max()), float(x2.abs().max())))
+    whole.collect(x1)
+    whole.collect(x2)
+    merged = a.merge(b)
+    assert float(merged.bin_width) == max(float(a.bin_width), float(b.bin_width))
+    assert int(merged._calib_hist.sum()) == 10000
+    assert float(merged.bin_width) == float(whole.bin_width)  # x2 has the larger range
+    # every count is at most one bin away from where one histogram of everything has it
+    ca, cb = np.cumsum(_np(merged._calib_hist)), np.cumsum(_np(whole._calib_hist))
+    assert len(ca) == len(cb)
+    assert np.all(ca[1:] >= cb[:-1]) and np.all(ca[:-1] <= cb[1:])
+    for m in ("mse", "percentile"):
+        assert abs(float(merged.compute_amax(m)) - float(whole.compute_amax(m))) <= 2 * float(merged.bin_width), m
 
 
 def test_merge_into_empty_and_mismatch():
@@ -461,11 +488,14 @@ def _dist_data():
 
 
 def _dist_cals():
+    # histograms with a common starting range (below the data: both ranks grow, past max_bins) sync exactly;
+    # "hist_free" starts on each rank's own first batch: the ranks still agree, on the coarser grid
     return {
         "max": calib.MaxCalibrator(8),
         "max_pc_rank0_only": calib.MaxCalibrator(8, axis=0),
-        "hist": calib.HistogramCalibrator(8, num_bins=256),
-        "hist_pc": calib.HistogramCalibrator(8, axis=0, num_bins=256),
+        "hist": calib.HistogramCalibrator(8, num_bins=256).set_range(1.0),
+        "hist_pc": calib.HistogramCalibrator(8, axis=0, num_bins=256).set_range(torch.full((6, 1), 0.5)),
+        "hist_free": calib.HistogramCalibrator(8, num_bins=256),
     }
 
 
@@ -491,7 +521,9 @@ def test_sync_two_processes_gloo(monkeypatch):
     for k, c in single.items():
         expect = c.compute_amax("entropy") if isinstance(c, calib.HistogramCalibrator) else c.compute_amax()
         assert torch.equal(r0[k], r1[k]), k
-        assert torch.equal(r0[k], expect), k
+        if k != "hist_free":
+            assert torch.equal(r0[k], expect), k
+    assert single["hist"]._calib_hist.numel() > 256 and float(single["hist"].bin_width) > 1.0 / 256
     assert torch.equal(r0["hist_counts"], single["hist"]._calib_hist)
 
 
@@ -553,11 +585,14 @@ if __name__ == "__main__":  # pragma: no cover
 
 
 def test_amax_never_exceeds_the_data_max():
-    """The power-of-two grid reaches up to 2x past the data: no method may pick amax above max|x|."""
+    """A grown grid's top edge lies past the data (here KL would keep everything: the top edge): amax <= max|x|."""
     torch.manual_seed(0)
-    x = torch.cat([torch.rand(100000) * 0.2, torch.full((20,), 10.0)])
     c = calib.HistogramCalibrator(8)
-    c.collect(x)
-    assert float(c._calib_bin_edges[-1]) > 10.0  # the grid does reach past the data
+    c.collect(torch.rand(100000))
+    c.collect(torch.rand(100000) * 1.7)
+    top = float(c._absmax)
+    assert float(c._calib_bin_edges[-1]) > top  # the grid does reach past the data
+    assert entropy_amax(_np(c._calib_hist), _np(c._calib_bin_edges))[0] > top  # the unclamped choice
     for method in ("entropy", "mse", "percentile"):
-        assert float(c.compute_amax(method, percentile=99.999)) <= 10.0, method
+        assert float(c.compute_amax(method, percentile=100)) <= top, method
+    assert float(c.compute_amax("entropy")) == top

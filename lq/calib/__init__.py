@@ -1,8 +1,8 @@
 """Calibrators (the API of ``pytorch_quantization.calib``) and calibration helpers.
 
 * :class:`MaxCalibrator` — global max of ``|x|`` (per tensor / channel / block).
-* :class:`HistogramCalibrator` — histogram of ``|x|``; amax by "entropy"
-  (TensorRT KL divergence), "mse" or "percentile", vectorized.
+* :class:`HistogramCalibrator` — histogram of ``|x|`` on the reference toolkit's grid; amax by
+  "entropy" (TensorRT KL divergence), "mse" or "percentile", vectorized.
 * :class:`EMAMaxCalibrator` — moving average of the per-batch max.
 * :class:`MinMaxCalibrator` — min and max for affine (asymmetric) quantization.
 * :func:`calibrate_weights` — set weight quantizers' amax from the weights.

@@ -135,11 +135,15 @@ class _Calibrator:
         if unknown:
             raise TypeError(f"unknown compute_amax argument(s) {sorted(unknown)}; allowed {list(METHOD_KWARGS)}")
 
-    def _check_input(self, x) -> None:
+    def _input(self, x) -> torch.Tensor:
+        """``x`` detached; integer and bool tensors as float32 (the reference toolkit calibrates them too)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{type(self).__name__}.collect expects a torch.Tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"{type(self).__name__}.collect expects a floating point tensor, got {x.dtype}")
+        if x.is_complex():
+            raise TypeError(f"{type(self).__name__}.collect expects a real tensor (float, integer or bool), "
+                            f"got {x.dtype}")
+        x = x.detach()
+        return x if x.is_floating_point() else x.float()
 
     def _reduce_dims(self, x: torch.Tensor) -> tuple[tuple[int, ...], list[int]]:
         """(dims reduced, keepdim shape of the amax) for the calibrator's axis on ``x``."""

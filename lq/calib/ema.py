@@ -41,7 +41,7 @@ class EMAMaxCalibrator(_Calibrator):
 
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
-        self._check_input(x)
+        x = self._input(x)
         dims, shape = self._reduce_dims(x)
         amax, nonfinite = finite_absmax(x.detach(), dims, shape)
         self._note_nonfinite(nonfinite)

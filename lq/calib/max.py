@@ -90,8 +90,7 @@ class MaxCalibrator(_Calibrator):
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
         """Update the running max with ``x``'s absmax (one reduction pass)."""
-        self._check_input(x)
-        x = x.detach()
+        x = self._input(x)
         amax, nonfinite = self._batch_amax(x)
         self._note_nonfinite(nonfinite)
         if amax is None:

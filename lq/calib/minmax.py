@@ -65,8 +65,7 @@ class MinMaxCalibrator(_Calibrator):
 
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
-        self._check_input(x)
-        x = x.detach()
+        x = self._input(x)
         if x.numel() == 0:
             return
         lo, hi, count = self._batch_minmax(x)
