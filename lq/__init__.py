@@ -1,7 +1,9 @@
 """lq: quantization for PyTorch Lightning with a fast C++/CUDA fake-quantization core.
 
 The numerics and API follow NVIDIA's pytorch-quantization toolkit
-(``lq.tensor_quant``, ``lq.nn``, ``lq.calib``, ``lq.quant_modules``); the
+(``lq.tensor_quant``, ``lq.nn``, ``lq.calib``, ``lq.quant_modules``, ``lq.utils``,
+``lq.optim``, and at the top ``initialize``/``deactivate``/``enable_onnx_export``
+as the toolkit's package has them); the
 Lightning side is :class:`lq.QuantCallback` and its parts in
 :mod:`lq.callbacks`. Lightning-dependent names load on first use, and the C++
 kernels load (building once) when the first op runs, so ``import lq`` stays
@@ -24,6 +26,11 @@ _LAZY = {
     "nn": ("lq.nn", None),
     "calib": ("lq.calib", None),
     "quant_modules": ("lq.quant_modules", None),
+    "utils": ("lq.utils", None),
+    "optim": ("lq.optim", None),
+    "initialize": ("lq.quant_modules", "initialize"),
+    "deactivate": ("lq.quant_modules", "deactivate"),
+    "enable_onnx_export": ("lq.quant_modules", "enable_onnx_export"),
     "config": ("lq.config", None),
     "QuantCallback": ("lq.callbacks", "QuantCallback"),
     "QuantSwap": ("lq.callbacks", "QuantSwap"),

@@ -1,8 +1,4 @@
-"""Tensor helpers of the reference toolkit's ``utils`` package (``pytorch_quantization.utils``).
-
-Only ``reduce_amax`` lives there; code written against the reference toolkit
-(and its tests) computes expected amax with it.
-"""
+"""``reduce_amax``: the largest magnitude of a tensor over some of its dims (``pytorch_quantization.utils``)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,13 @@ A quantizer runs in up to three stages, each switchable:
 * **clip** (``enable_clip``, learned amax only): clamp to ``[-amax, amax]``;
 * **quant** (``enable_quant``): fake-quantize (or quantize) with amax.
 
+Clip and quant together are one pass: a clipped input lies in ``[-amax, amax]``,
+so quantizing it is quantizing the raw input on the narrow grid
+``[-maxbound, maxbound]`` (same values, same gradients for the input and the
+learned amax). ``pre_quant_scale`` (SmoothQuant-style per-channel activation
+scaling), when set, multiplies the input before every stage, also while the
+quantizer is disabled: the matching weights were divided by it.
+
 amax comes from, in this order: dynamic computation when the descriptor says
 ``dynamic`` (or a dynamic block type); the ``_amax`` buffer (the descriptor's
 ``amax``, a calibrated value or one loaded from a checkpoint); and otherwise
@@ -34,10 +41,13 @@ from torch import nn
 
 from lq import _checks, _reference
 from lq import tensor_quant as _tq
+from lq.nn.modules import _export_mode
+from lq.nn.modules.clip import clip
 from lq.tensor_quant import QuantDescriptor
 
 __all__ = [
     "TensorQuantizer",
+    "LearnedClip",
     "AmaxShapeError",
     "iter_quantizers",
     "name_quantizers",
@@ -48,7 +58,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_AMAX_KEYS = ("_amax", "_min_range", "_max_range")
+#: float32 buffers, with the name their errors use: kept float32 by ``.half()``/``.to()``, created by a state_dict load
+_FLOAT32_BUFFERS = {"_amax": "amax", "_min_range": "min_range", "_max_range": "max_range",
+                    "_pre_quant_scale": "pre_quant_scale"}
 
 
 class AmaxShapeError(ValueError, TypeError):
@@ -79,9 +91,9 @@ def _check_amax_values(t: torch.Tensor, name: str, what: str = "amax") -> None:
         raise ValueError(f"{name}: {what} must be >= 0, got min {float(t.min()):g}")
 
 
-def _valid_amax(t: torch.Tensor) -> bool:
+def _valid_value(t: torch.Tensor, nonnegative: bool) -> bool:
     t = t.detach().float()
-    return bool(torch.isfinite(t).all()) and not bool((t < 0).any())
+    return bool(torch.isfinite(t).all()) and not (nonnegative and bool((t < 0).any()))
 
 
 def _short(t: torch.Tensor | None, fmt: str = ".4f") -> str:
@@ -93,6 +105,27 @@ def _short(t: torch.Tensor | None, fmt: str = ".4f") -> str:
     if t.numel() == 1:
         return f"{float(t):{fmt}}"
     return f"[{float(t.min()):{fmt}}, {float(t.max()):{fmt}}]({t.numel()})"
+
+
+class LearnedClip(nn.Module):
+    """The clip stage of a learned-amax quantizer, shaped like the reference toolkit's ``Clip`` (``quantizer.clip``).
+
+    lq learns ONE symmetric amax (the quantizer's ``_amax`` parameter, what the
+    state_dict holds), so this is a view, not a second copy: ``clip_value_max``
+    is that parameter (in-place updates and optimizers reach it) and
+    ``clip_value_min`` is ``-amax``, computed (writing to it changes nothing).
+    """
+
+    def __init__(self, amax: nn.Parameter):
+        super().__init__()
+        self.clip_value_max = amax
+
+    @property
+    def clip_value_min(self) -> torch.Tensor:
+        return -self.clip_value_max
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return clip(inputs, -self.clip_value_max, self.clip_value_max)
 
 
 class TensorQuantizer(nn.Module):
@@ -108,9 +141,10 @@ class TensorQuantizer(nn.Module):
         calibrator: override the descriptor's ``calib_method``: a name
             ("max", "histogram", "ema", "minmax") or a calibrator instance.
 
-    Class attribute ``use_fb_fake_quant`` (export mode): fake quantization with
-    ``torch.fake_quantize_per_tensor_affine`` / ``..._per_channel_affine``
-    (scale ``amax / maxbound``, zero point 0) so ONNX exporters see standard ops.
+    Class attribute ``use_fb_fake_quant`` (export mode, set by ``lq.enable_onnx_export()``): fake
+    quantization with stock PyTorch ops (``torch.fake_quantize_per_tensor_affine`` /
+    ``..._per_channel_affine``, FP8 in elementwise ops) so a plain ``torch.onnx.export`` sees
+    only standard ops (:mod:`lq.nn.modules._export_mode`).
     """
 
     use_fb_fake_quant = False
@@ -145,9 +179,8 @@ class TensorQuantizer(nn.Module):
         self._if_calib = if_calib
         self._device = torch.empty(0).device  # honours a ``with torch.device(...)`` context
 
-        self.register_buffer("_amax", None)
-        self.register_buffer("_min_range", None)
-        self.register_buffer("_max_range", None)
+        for key in _FLOAT32_BUFFERS:
+            self.register_buffer(key, None)
         if self._learn_amax:
             init = quant_desc.amax if quant_desc.amax is not None else 1.0
             t = _to_amax_tensor(init, self._device)
@@ -185,6 +218,10 @@ class TensorQuantizer(nn.Module):
     def num_bits(self):
         return self._num_bits
 
+    @num_bits.setter
+    def num_bits(self, value) -> None:
+        self._redescribe(num_bits=value)
+
     @property
     def is_fp8(self) -> bool:
         return self._num_bits == _tq.FP8_E4M3
@@ -200,9 +237,32 @@ class TensorQuantizer(nn.Module):
     def unsigned(self) -> bool:
         return self._unsigned
 
+    @unsigned.setter
+    def unsigned(self, value) -> None:
+        self._redescribe(unsigned=value)
+
     @property
     def narrow_range(self) -> bool:
         return self._narrow_range
+
+    @narrow_range.setter
+    def narrow_range(self, value) -> None:
+        self._redescribe(narrow_range=value)
+
+    def _redescribe(self, **changes) -> None:
+        """Change descriptor fields after construction: the descriptor validates them (one set of rules) and
+        stays the quantizer's description; a calibrator this quantizer made by name is remade to match (one that
+        already saw data is remade too, with a warning: its statistics were for the old grid)."""
+        desc = QuantDescriptor(**{**self._quant_desc.dict(), **changes})
+        self._quant_desc = desc
+        self._num_bits = desc.num_bits
+        self._unsigned = desc.unsigned
+        self._narrow_range = desc.narrow_range
+        if self._calibrator is not None and self._calibrator_from_name:
+            if self._calibrator.has_data:
+                logger.warning("%s: %s changed after calibration data was collected; the calibrator starts over",
+                               self.name, ", ".join(sorted(changes)))
+            self._calibrator = self._make_calibrator(self._calibrator_method)
 
     @property
     def axis(self):
@@ -246,9 +306,10 @@ class TensorQuantizer(nn.Module):
     def calibrator(self, value) -> None:
         from lq import calib
 
+        from_name = isinstance(value, str)
         if value is None or isinstance(value, calib._Calibrator):
             calibrator = value
-        elif isinstance(value, str):
+        elif from_name:
             calibrator = self._make_calibrator(value)
         else:
             raise TypeError(f"calibrator must be None, a calibrator or one of {_CALIBRATOR_NAMES}, got {value!r}")
@@ -256,6 +317,8 @@ class TensorQuantizer(nn.Module):
             raise ValueError(f"{self.name}: affine (min/max) calibration is per tensor: the descriptor needs axis=None "
                              "and no block_sizes")
         self._calibrator = calibrator
+        self._calibrator_from_name = from_name
+        self._calibrator_method = value if from_name else None
 
     def _make_calibrator(self, method: str):
         from lq import calib
@@ -310,6 +373,42 @@ class TensorQuantizer(nn.Module):
                 )
         with torch.no_grad():
             self._amax.copy_(t)
+
+    @property
+    def pre_quant_scale(self):
+        """Per-channel (or scalar) factor the input is multiplied by before quantization (SmoothQuant), or None.
+
+        Set it to a number, list, array or tensor that broadcasts against the
+        input (float32 buffer in the state_dict; its shape is fixed once set);
+        None removes it.
+        """
+        return self._pre_quant_scale
+
+    @pre_quant_scale.setter
+    def pre_quant_scale(self, value) -> None:
+        if value is None:
+            self._pre_quant_scale = None
+            return
+        current = self._pre_quant_scale
+        t = _to_amax_tensor(value, current.device if current is not None else self._device, "pre_quant_scale")
+        if not t.is_meta and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{self.name}: pre_quant_scale must be finite, got {_short(t)}")
+        if current is None:
+            self._pre_quant_scale = t
+            return
+        if t.shape != current.shape:
+            raise AmaxShapeError(f"{self.name}: cannot change pre_quant_scale shape from {tuple(current.shape)} to "
+                                 f"{tuple(t.shape)} (set it to None first)")
+        current.copy_(t)
+
+    @property
+    def clip(self):
+        """The clip stage of a learned-amax quantizer, as the reference toolkit's ``quantizer.clip`` (a
+        :class:`LearnedClip` view: ``clip_value_max`` IS the learned amax parameter, ``clip_value_min`` is
+        ``-amax``). Quantizers without ``learn_amax`` have no clip stage and no ``clip`` attribute."""
+        if not self._learn_amax:
+            raise AttributeError(f"{self.name}: 'clip' exists only with learn_amax=True (the clip stage learns amax)")
+        return LearnedClip(self._amax)
 
     @property
     def min_range(self):
@@ -410,8 +509,8 @@ class TensorQuantizer(nn.Module):
         if self._calibrator is None:
             raise RuntimeError(f"{self.name}: no calibrator was created")
         if not self._calibrator.has_data:
-            msg = (f"{self.name}: the {type(self._calibrator).__name__} saw no data during calibration (was "
-                   "calibration enabled and did the calibration batches reach this quantizer?)")
+            msg = (f"{self.name}: Calibrator returned None: the {type(self._calibrator).__name__} saw no data "
+                   "during calibration (was calibration enabled and did the calibration batches reach it?)")
             if strict:
                 raise RuntimeError(msg)
             logger.warning("%s; amax left %s", msg, _short(self._amax))
@@ -471,26 +570,13 @@ class TensorQuantizer(nn.Module):
                 return amax.reshape([-1 if d == axis else 1 for d in range(inputs.dim())])
         return amax
 
-    def _fb_fake_quant(self, inputs: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-        """PyTorch's native fake quantization (for ONNX export)."""
-        if inputs.dtype == torch.float16:
-            raise TypeError(f"{self.name}: export-mode fake quantization (use_fb_fake_quant) needs float32 or "
-                            "bfloat16 inputs, got float16 (disable AMP for export)")
-        bound = self.maxbound
-        qmin = 0 if self._unsigned else (-bound if self._narrow_range else -bound - 1)
-        amax = amax.detach().float()
-        scale = torch.clamp(amax, min=_reference.AMAX_EPSILON) / float(bound)
-        dtype = inputs.dtype
-        x = inputs.float() if dtype != torch.float32 else inputs
-        if amax.numel() == 1:
-            out = torch.fake_quantize_per_tensor_affine(
-                x, scale.reshape(()), torch.zeros((), dtype=torch.int32, device=x.device), qmin, bound)
-        else:
-            axis = self._channel_axis(amax, inputs)
-            out = torch.fake_quantize_per_channel_affine(
-                x, scale.reshape(-1), torch.zeros(amax.numel(), dtype=torch.int32, device=x.device), axis, qmin,
-                bound)
-        return out.to(dtype)
+    def _fb_fake_quant(self, inputs: torch.Tensor, amax: torch.Tensor, narrow_range: bool) -> torch.Tensor:
+        """Export mode (``use_fb_fake_quant``, ``lq.enable_onnx_export()``): stock PyTorch ops that
+        ``torch.onnx.export`` translates without lq's translation table (see :mod:`lq.nn.modules._export_mode`)."""
+        if self.is_fp8:
+            return _export_mode.scaled_e4m3(inputs, amax)
+        axis = None if amax.numel() == 1 else self._channel_axis(amax, inputs)
+        return _export_mode.fake_int_quant(inputs, amax, self._num_bits, self._unsigned, narrow_range, axis)
 
     def _channel_axis(self, amax: torch.Tensor, inputs: torch.Tensor) -> int:
         if self._axis is not None:
@@ -525,16 +611,21 @@ class TensorQuantizer(nn.Module):
                                         amax=self._amax.detach() if static else None,
                                         unsigned=self._unsigned, narrow_range=self._narrow_range)
         amax = self._get_amax(inputs)
+        # With the clip stage on, the input is first clipped to [-amax, amax]: quantizing that is quantizing on the
+        # narrow grid (one pass instead of clamp + quantize; same values and gradients).
+        narrow_range = self._narrow_range or self._if_clip
+        if self._fake_quant and TensorQuantizer.use_fb_fake_quant:
+            return self._fb_fake_quant(inputs, amax, narrow_range)
         if self.is_fp8:
             return _tq.scaled_e4m3(inputs, amax)
         if self._fake_quant:
-            if TensorQuantizer.use_fb_fake_quant:
-                return self._fb_fake_quant(inputs, amax)
-            return _tq.fake_tensor_quant(inputs, amax, self._num_bits, self._unsigned, self._narrow_range)
-        outputs, self._scale = _tq.tensor_quant(inputs, amax, self._num_bits, self._unsigned, self._narrow_range)
+            return _tq.fake_tensor_quant(inputs, amax, self._num_bits, self._unsigned, narrow_range)
+        outputs, self._scale = _tq.tensor_quant(inputs, amax, self._num_bits, self._unsigned, narrow_range)
         return outputs
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self._pre_quant_scale is not None:
+            inputs = inputs * self._pre_quant_scale.to(inputs.dtype)
         if self._disabled:
             return inputs
         outputs = inputs
@@ -543,18 +634,17 @@ class TensorQuantizer(nn.Module):
                 raise RuntimeError(f"{self.name}: calibration is enabled but there is no calibrator")
             self._calibrator.collect(inputs)
         if self._if_clip and not self._if_quant:
-            amax = self._amax
-            outputs = torch.clamp(inputs, -amax.to(inputs.dtype), amax.to(inputs.dtype))
+            outputs = clip(inputs, -self._amax, self._amax)
         if self._if_quant:
             outputs = self._quant_forward(inputs)
         return outputs
 
     # ================================================================== device / dtype / state_dict
     def _apply(self, fn, recurse=True):
-        # Learn the target device from a probe; keep every amax tensor in float32 whatever fn does.
+        # Learn the target device from a probe; keep amax and the other float32 buffers float32 whatever fn does.
         probe = fn(torch.zeros((), dtype=torch.float32, device=self._device))
         saved = {}
-        for k in _AMAX_KEYS:
+        for k in _FLOAT32_BUFFERS:
             t = getattr(self, k)
             if t is not None:
                 saved[k] = t.detach().clone()
@@ -575,7 +665,7 @@ class TensorQuantizer(nn.Module):
         if not self._name and prefix:
             self._name = prefix[:-1]
         name = prefix[:-1] or self.name
-        for key in _AMAX_KEYS:
+        for key, what in _FLOAT32_BUFFERS.items():
             src = state_dict.get(prefix + key)
             dst = getattr(self, key)
             if src is None:
@@ -583,23 +673,29 @@ class TensorQuantizer(nn.Module):
                 # key, which load_state_dict(strict=False) accepts (torch passes strict=True down here always)
                 continue
             if not isinstance(src, torch.Tensor):
-                error_msgs.append(f"{name}: {key} in the checkpoint is a {type(src).__name__}, expected a tensor")
+                error_msgs.append(f"{name}: {what} in the checkpoint is a {type(src).__name__}, expected a tensor")
+                continue
+            if src.numel() and not src.is_meta and not _valid_value(src, nonnegative=key == "_amax"):
+                rule = "finite and >= 0" if key == "_amax" else "finite"
+                error_msgs.append(f"{name}: {what} in the checkpoint must be {rule}, got {_short(src)}")
+                state_dict = dict(state_dict)  # nothing of it is loaded: the quantizer keeps what it had
+                if dst is None:
+                    del state_dict[prefix + key]
+                else:
+                    state_dict[prefix + key] = dst.detach()
                 continue
             if dst is None:
-                # Uncalibrated quantizer: create the buffer (on this quantizer's device) before the copy.
+                # Uncalibrated quantizer (or no pre_quant_scale yet): create the buffer on this quantizer's device.
                 self._buffers[key] = torch.empty(src.shape, dtype=torch.float32, device=self._device)
-                continue
-            if src.shape != dst.shape and not (src.numel() == 1 and dst.numel() == 1):
+            elif src.shape != dst.shape and not (src.numel() == 1 and dst.numel() == 1):
                 error_msgs.append(
-                    f"{name}: amax in the checkpoint has shape {tuple(src.shape)} but this quantizer's amax has "
+                    f"{name}: {what} in the checkpoint has shape {tuple(src.shape)} but this quantizer's {what} has "
                     f"shape {tuple(dst.shape)} (axis={self._axis}); per-tensor/per-channel settings differ")
                 state_dict = dict(state_dict)
                 state_dict[prefix + key] = dst.detach()
             elif src.shape != dst.shape:
                 state_dict = dict(state_dict)
                 state_dict[prefix + key] = src.reshape(dst.shape)
-            if key == "_amax" and src.numel() and not src.is_meta and not _valid_amax(src):
-                error_msgs.append(f"{name}: amax in the checkpoint must be finite and >= 0, got {_short(src)}")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -625,6 +721,8 @@ class TensorQuantizer(nn.Module):
         else:
             s += f" amax={_short(self._amax)}"
         s += f" *{self._scale_amax}" if self._scale_amax else ""
+        if self._pre_quant_scale is not None:
+            s += f" pre_quant_scale={_short(self._pre_quant_scale)}"
         s += " learned" if self._learn_amax else ""
         if self._calibrator is not None:
             s += f" calibrator={type(self._calibrator).__name__}"
