@@ -468,3 +468,153 @@ def test_errors_are_clear():
     q.calibrator = None
     with pytest.raises(ValueError, match="no calibrator"):
         q.enable_calib()
+
+
+# ====================================================================== learned amax: clip stage, clip view
+def _ref_fake_quant(x, amax, num_bits=8, unsigned=False, narrow_range=False):
+    """The fake-quantization formula written out: round(x * s) on the integer grid, then / s."""
+    bound = 2 ** (num_bits - 1 + int(unsigned)) - 1
+    low = 0 if unsigned else (-bound if narrow_range else -bound - 1)
+    s = bound / torch.as_tensor(amax, dtype=torch.float32)
+    return torch.clamp(torch.round(x.float() * s), low, bound) / s
+
+
+def test_learned_amax_clips_before_quantizing():
+    """The clip stage runs before quantization: nothing lands on -maxbound-1 (-2.0 -> -1.0, not -128/127)."""
+    amax = 1.0
+    q = TensorQuantizer(QuantDescriptor(amax=amax, learn_amax=True))  # narrow_range=False by default
+    x = torch.tensor([-2.0, -1.0, -1.003, -0.4, 0.3, 0.9961, 1.5], requires_grad=True)
+    out = q(x)
+    assert out[0] == -1.0
+    ref_x = x.detach().clone().requires_grad_(True)
+    ref_amax = torch.tensor(amax, requires_grad=True)
+    clipped = torch.clamp(ref_x, -ref_amax, ref_amax)  # the clip stage, with its PACT gradient for amax
+    expect = _ref_fake_quant(clipped.detach(), amax)
+    assert torch.equal(out.detach(), expect)
+    grad = torch.linspace(0.5, 2.0, x.numel())
+    out.backward(grad)
+    clipped.backward(grad)  # quantization's STE passes the gradient of the clipped values through
+    assert torch.equal(x.grad, ref_x.grad)
+    assert torch.allclose(q.amax.grad, ref_amax.grad)
+    # with the clip stage off the raw input is quantized on the descriptor's (wide) grid
+    q.disable_clip()
+    assert torch.equal(q(x.detach()), _ref_fake_quant(x.detach(), amax))
+    assert q(x.detach())[0] == pytest.approx(-128 / 127)
+
+
+@pytest.mark.parametrize("fake_quant", [True, False])
+def test_learned_amax_clip_on_every_path(fake_quant):
+    x = torch.tensor([-3.0, -0.5, 0.25, 2.0])
+    q = TensorQuantizer(QuantDescriptor(amax=2.0, learn_amax=True, fake_quant=fake_quant))
+    if fake_quant:
+        expect = _ref_fake_quant(torch.clamp(x, -2.0, 2.0), 2.0)
+    else:
+        expect = torch.clamp(torch.round(torch.clamp(x, -2.0, 2.0) * (127 / 2.0)), -128, 127)
+    assert torch.equal(q(x).detach(), expect)
+    if fake_quant:  # the export-mode path (lq.enable_onnx_export) clips too
+        TensorQuantizer.use_fb_fake_quant = True
+        try:
+            fb = q(x)
+        finally:
+            TensorQuantizer.use_fb_fake_quant = False
+        ref = torch.fake_quantize_per_tensor_affine(torch.clamp(x, -2.0, 2.0), 2.0 / 127, 0, -128, 127)
+        assert torch.equal(fb, ref) and fb[0] == -2.0
+
+
+def test_clip_view_of_learned_amax():
+    q = TensorQuantizer(QuantDescriptor(amax=0.75, learn_amax=True))
+    assert q.clip.clip_value_max is q.amax  # the one learned amax: the optimizer and in-place updates reach it
+    assert float(q.clip.clip_value_min) == -0.75
+    assert [p is q.amax for p in q.clip.parameters()] == [True]
+    x = torch.tensor([-1.0, 0.5, 2.0])
+    assert torch.equal(q.clip(x).detach(), torch.clamp(x, -0.75, 0.75))
+    with torch.no_grad():
+        q.clip.clip_value_max.copy_(torch.tensor(0.5))
+    assert float(q.amax) == 0.5 and float(q.clip.clip_value_min) == -0.5
+    assert not hasattr(TensorQuantizer(QuantDescriptor(amax=1.0)), "clip")  # no clip stage without learn_amax
+    assert [n for n, _ in q.named_parameters()] == ["_amax"]  # the view adds nothing to the state
+
+
+# ====================================================================== pre_quant_scale
+def test_pre_quant_scale_scales_before_quantizing():
+    x = rand(3, 4)
+    q = TensorQuantizer(QuantDescriptor(amax=2.0))
+    assert q.pre_quant_scale is None and "_pre_quant_scale" not in q.state_dict()
+    q.pre_quant_scale = 0.5
+    assert torch.equal(q(x), _ref_fake_quant(x * 0.5, 2.0))
+    per_channel = TensorQuantizer(QuantDescriptor(amax=2.0))
+    s = [1.0, 2.0, 0.5, 3.0]
+    per_channel.pre_quant_scale = s
+    assert per_channel.pre_quant_scale.dtype == torch.float32
+    assert torch.equal(per_channel(x), _ref_fake_quant(x * torch.tensor(s), 2.0))
+    per_channel.pre_quant_scale = torch.tensor([1.0, 1.0, 1.0, 4.0])  # same shape: updated in place
+    assert torch.equal(per_channel(x), _ref_fake_quant(x * torch.tensor([1.0, 1.0, 1.0, 4.0]), 2.0))
+    # the scale is part of the model: a disabled quantizer (float model) still applies it
+    per_channel.disable()
+    assert torch.equal(per_channel(x), x * torch.tensor([1.0, 1.0, 1.0, 4.0]))
+    # low-precision inputs keep their dtype
+    xb = x.to(torch.bfloat16)
+    assert q(xb).dtype == torch.bfloat16
+    q.pre_quant_scale = None
+    assert q.pre_quant_scale is None and torch.equal(q(x), _ref_fake_quant(x, 2.0))
+
+
+def test_pre_quant_scale_errors_and_state():
+    q = TensorQuantizer(QuantDescriptor(amax=1.0))
+    q.pre_quant_scale = [1.0, 2.0]
+    with pytest.raises(AmaxShapeError, match=r"pre_quant_scale shape from \(2,\) to \(3,\)"):
+        q.pre_quant_scale = [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="pre_quant_scale must be finite"):
+        q.pre_quant_scale = [1.0, float("inf")]
+    assert q.pre_quant_scale.tolist() == [1.0, 2.0]
+    sd = q.state_dict()
+    assert set(sd) == {"_amax", "_pre_quant_scale"}
+    fresh = TensorQuantizer(QuantDescriptor(amax=1.0))
+    fresh.load_state_dict(sd)  # created on load, like an amax
+    x = rand(5, 2)
+    assert torch.equal(fresh(x), q(x))
+    m = nn.Sequential(nn.Linear(2, 2))
+    m.add_module("q", fresh)
+    m.half()
+    assert m.q.pre_quant_scale.dtype == torch.float32
+    bad = TensorQuantizer(QuantDescriptor(amax=1.0))
+    with pytest.raises(RuntimeError, match="pre_quant_scale in the checkpoint must be finite"):
+        bad.load_state_dict({"_amax": torch.tensor(1.0), "_pre_quant_scale": torch.tensor([float("nan"), 1.0])})
+    assert bad.pre_quant_scale is None  # nothing of the bad entry was loaded
+    assert "pre_quant_scale=[1.0000, 2.0000](2)" in repr(q)
+
+
+def test_invalid_amax_is_not_loaded_into_an_uncalibrated_quantizer():
+    q = TensorQuantizer(QuantDescriptor())
+    with pytest.raises(RuntimeError, match="amax in the checkpoint must be finite and >= 0"):
+        q.load_state_dict({"_amax": torch.tensor(float("nan"))})
+    assert q.amax is None
+
+
+# ====================================================================== setters
+def test_setters_change_the_grid_and_validate():
+    x = rand(64)
+    q = TensorQuantizer(QuantDescriptor(amax=1.5))
+    q.num_bits = 5
+    assert q.num_bits == 5 and q.maxbound == 15 and q.quant_desc.num_bits == 5
+    assert torch.equal(q(x), _ref_fake_quant(x, 1.5, num_bits=5))
+    q.narrow_range = True
+    assert torch.equal(q(x), _ref_fake_quant(x, 1.5, num_bits=5, narrow_range=True))
+    q.unsigned = True
+    assert q.unsigned and q.maxbound == 31
+    assert torch.equal(q(x.abs()), _ref_fake_quant(x.abs(), 1.5, num_bits=5, unsigned=True))
+    with pytest.raises(ValueError, match="num_bits"):
+        q.num_bits = 40
+    with pytest.raises(TypeError, match="bool"):
+        q.unsigned = "yes"
+    assert q.num_bits == 5  # a rejected value changes nothing
+    h = TensorQuantizer(QuantDescriptor(calib_method="histogram"))
+    h.num_bits = 6
+    assert isinstance(h.calibrator, calib.HistogramCalibrator) and h.calibrator._num_bits == 6
+
+
+def test_no_data_message_names_the_cause():
+    q = TensorQuantizer(QuantDescriptor())
+    q.enable_calib()
+    with pytest.raises(RuntimeError, match="Calibrator returned None.*saw no data"):
+        q.load_calib_amax()
