@@ -154,10 +154,10 @@ def _inputs(seed, n=16):
     return 2.0 * torch.randn(n, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
 
 
-def _quantized(make):
+def _quantized(make, glue=True):
     torch.manual_seed(0)
     model = make()
-    quantize_model(model)
+    quantize_model(model, glue=glue)
     model.eval()
     with torch.no_grad():
         calibrate_model(model, [_inputs(s) for s in (1, 2, 3)], method="max")
@@ -245,8 +245,9 @@ NOT_COMMUTING = ["prelu", "leaky_relu", "gelu", "silu", "hardswish", "sigmoid"] 
 @pytest.mark.parametrize("pool", [False, True], ids=["conv", "maxpool"])
 @pytest.mark.parametrize("act", NOT_COMMUTING)
 def test_a_quantizer_moved_across_the_activation_is_caught(act, pool, tmp_path):
-    """The checks above are tight enough: the same model with one wrong rewrite fails them."""
-    model = _quantized(lambda: ActNet(act, pool=pool))
+    """The checks above are tight enough: the same model with one wrong rewrite fails them. (Without output
+    quantizers, ``glue=False``: the wrong rewrite is written for a conv that feeds the activation directly.)"""
+    model = _quantized(lambda: ActNet(act, pool=pool), glue=False)
     path, bad = str(tmp_path / "good.onnx"), str(tmp_path / "bad.onnx")
     export_onnx(model, _inputs(4), path)
     _move_quantizer_before_activation(path, bad)

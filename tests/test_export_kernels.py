@@ -141,3 +141,24 @@ def test_quantizer_table_gets_the_kernel_column(tmp_path):
     md = report.markdown_table(rows)
     assert report.KERNEL_COLUMN in md.splitlines()[0]
     assert report.KERNEL_COLUMN not in report.markdown_table(report.quantizer_rows(model)).splitlines()[0]
+
+
+class AttentionNet(nn.Module):
+    """nn.MultiheadAttention: its fused q/k/v weight is quantized per row, then split in three."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, 4, batch_first=True)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+
+def test_split_attention_weights_still_run_integer_matmuls(tmp_path):
+    """Each of the q, k, v projections reads its own weight DequantizeLinear (the split moved onto the
+    int8 constant), so onnxruntime runs all of them, and both attention matmuls, as integer kernels."""
+    x = torch.randn(4, 6, 32)
+    res = _export(_quantized(AttentionNet(), x), x, tmp_path)
+    attn = [k for k in res.layer_kernels if k.layer.startswith("attn") and k.op == "MatMul"]
+    assert len(attn) == 6 and all(k.integer for k in attn), [(k.layer, k.kernel, k.reason) for k in attn]

@@ -503,6 +503,7 @@ def export_onnx(
                 notes.append(f"BatchNorm '{f.bn}' not folded into '{f.layer}': {f.skipped}")
             if f.clipped:
                 notes.append(f"folding '{f.bn}' flipped the sign of {f.clipped} weight(s) at -128, clipped to 127")
+    _finish.split_weight_dq(g)
     _finish.transpose_weight_dq(g)
     if target == "onnxruntime":
         _placement.dedupe_quantizers(g)

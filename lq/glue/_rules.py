@@ -52,18 +52,19 @@ METHODS = {"add": ADD, "matmul": MATMUL, "bmm": MATMUL}
 #: writes, far less than a float conv/gemm.
 OUTPUT_LAYERS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
 
-#: readers that take a float input and have no quantizer of their own: normalizations and activations other
-#: than ReLU/ReLU6 (the export moves a quantizer across those exactly, so a quantized reader after them
-#: suffices). Modules by type, functions by identity, tensor methods by name.
+#: readers that take a float input and have no quantizer of their own: normalizations and smooth activations
+#: (ReLU/ReLU6 are not here: the export moves a quantizer across them exactly, so a quantized reader after
+#: them suffices). LeakyReLU and PReLU are not here either: their slope times a grid value often lands
+#: exactly half-way between two steps of the next quantizer (0.1 x 5 steps = 0.5), and two runtimes then
+#: round such ties differently; without an output quantizer the conv output is not on a grid and ties are
+#: rare. Modules by type, functions by identity, tensor methods by name.
 FLOAT_READER_MODULES = (
     torch.nn.GroupNorm, torch.nn.LayerNorm, torch.nn.SiLU, torch.nn.GELU, torch.nn.Sigmoid, torch.nn.Tanh,
-    torch.nn.Hardswish, torch.nn.Hardsigmoid, torch.nn.Mish, torch.nn.ELU, torch.nn.LeakyReLU, torch.nn.PReLU,
-    torch.nn.Softmax,
+    torch.nn.Hardswish, torch.nn.Hardsigmoid, torch.nn.Mish, torch.nn.ELU, torch.nn.Softmax,
 )
 FLOAT_READER_FUNCTIONS = {
     torch.nn.functional.silu, torch.nn.functional.gelu, torch.sigmoid, torch.nn.functional.sigmoid, torch.tanh,
-    torch.nn.functional.hardswish, torch.nn.functional.mish, torch.nn.functional.elu,
-    torch.nn.functional.leaky_relu, torch.nn.functional.prelu, torch.softmax, torch.nn.functional.softmax,
-    torch.nn.functional.group_norm, torch.nn.functional.layer_norm,
+    torch.nn.functional.hardswish, torch.nn.functional.mish, torch.nn.functional.elu, torch.softmax,
+    torch.nn.functional.softmax, torch.nn.functional.group_norm, torch.nn.functional.layer_norm,
 }
 FLOAT_READER_METHODS = {"sigmoid", "tanh", "softmax"}
