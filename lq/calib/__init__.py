@@ -8,7 +8,8 @@
 * :func:`calibrate_weights` — set weight quantizers' amax from the weights.
 
 Every calibrator has ``collect(x)``, ``reset()``, ``compute_amax(method=None, **kwargs)``,
-``merge(other)``, ``sync(process_group=None)``, ``state_dict()`` / ``load_state_dict()``.
+``merge(other)``, ``sync(process_group=None)``, ``state_dict()`` / ``load_state_dict()``;
+``HistogramCalibrator.set_range(amax)`` starts its grid on a range known in advance.
 """
 
 from lq.calib.calibrator import _Calibrator

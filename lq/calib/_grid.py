@@ -3,7 +3,9 @@
 A grid (per histogram row) is a bin width ``w`` (float32) and a bin count
 ``n``: bins ``[j * w, (j + 1) * w)`` for ``j < n``, the top edge ``n * w``
 closed. Binning is ``floor(|x| * fl(1 / w))`` whatever ``n`` is, so a count
-never depends on how far the grid reached when it was taken.
+never depends on how far the grid reached when it was taken: the kernel pass
+runs ``K = kernel_bins(n)`` bins (a power of two) on the range ``K * w``
+(exact), and the kernel's ``fl(1 / (K w)) * K`` is exactly ``fl(1 / w)``.
 
 * **Start** (the reference toolkit's grid): ``num_bins`` bins on ``[0, R]``,
   ``R`` the range when it is known in advance (:meth:`set_range`, which
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bins_needed", "coarsen", "rebin", "start_width"]
+__all__ = ["bins_needed", "coarsen", "holds", "kernel_bins", "onto", "pad", "rebin", "regrid", "start_width"]
 
 
 def start_width(rng: torch.Tensor, num_bins: int) -> torch.Tensor:
@@ -74,3 +76,40 @@ def rebin(counts: torch.Tensor, w_src: torch.Tensor, w_dst: torch.Tensor, n_dst:
     idx = torch.minimum(torch.floor((j + 0.5) * ratio).long(), last)
     out = torch.zeros(C, max(1, int(n_dst.max())), dtype=counts.dtype, device=dev)
     return out.scatter_add_(1, idx, counts)
+
+
+def kernel_bins(n: int) -> int:
+    """Bins of the kernel pass for a grid of ``n`` bins: the power of two >= ``n`` (see the module doc)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def regrid(counts, w_src, n_src, w_dst):
+    """Counts and bin counts of rows moved from widths ``w_src`` to (coarser or equal) widths ``w_dst``."""
+    w_dst = w_dst.to(counts.device)
+    covered = bins_needed(n_src.to(counts.device).double() * w_src.to(counts.device).double(), w_dst)
+    n_dst = torch.where(w_dst > 0, covered.clamp(min=1), n_src.to(counts.device))
+    return rebin(counts, w_src, w_dst, n_dst), n_dst
+
+
+def holds(absmax, w, n) -> bool:
+    """Whether every row's grid ``(w, n)`` holds values up to ``absmax`` (scalars per tensor: less overhead)."""
+    if absmax.numel() == 1:
+        a, wf = float(absmax), float(w)
+        return a <= wf * int(n) and (wf > 0 or a == 0)
+    return bool(((absmax.double() <= w.double() * n) & ((w > 0) | (absmax == 0))).all())
+
+
+def onto(counts, w_src, w_dst, n_dst, cols: int):
+    """A batch's kernel counts (width ``w_src``) as rows of ``cols`` bins on the grid ``(w_dst, n_dst)``.
+
+    Counts at or past a row's last bin are values on its (closed) top edge: they join the last bin.
+    """
+    if w_src is w_dst and (n_dst.numel() == 1 or bool((n_dst == cols).all())):  # same grid, rows full: fold, cut
+        if counts.shape[1] > cols:
+            counts[:, cols - 1] += counts[:, cols:].sum(1)
+        return counts[:, :cols]
+    return pad(rebin(counts, w_src, w_dst, n_dst), cols)
+
+
+def pad(counts: torch.Tensor, cols: int) -> torch.Tensor:
+    return counts if counts.shape[1] >= cols else torch.nn.functional.pad(counts, (0, cols - counts.shape[1]))

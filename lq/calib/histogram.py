@@ -34,7 +34,7 @@ import warnings
 import torch
 
 from lq import _checks
-from lq.calib._grid import bins_needed, coarsen, rebin, start_width
+from lq.calib._grid import bins_needed, coarsen, holds, kernel_bins, onto, pad, rebin, regrid, start_width
 from lq.calib._search import compute_amax_entropy, compute_amax_mse, compute_amax_percentile, serial_cpu
 from lq.calib.calibrator import _Calibrator, _comm_device, _gather_objects
 
@@ -49,42 +49,6 @@ __all__ = [
 HIST_METHODS = ("entropy", "mse", "percentile", "max")
 #: default growth bound: ``max_bins = GROWTH_LIMIT * num_bins``
 GROWTH_LIMIT = 4
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _regrid(counts, w_src, n_src, w_dst):
-    """Counts and bin counts of rows moved from widths ``w_src`` to (coarser or equal) widths ``w_dst``."""
-    w_dst = w_dst.to(counts.device)
-    covered = bins_needed(n_src.to(counts.device).double() * w_src.to(counts.device).double(), w_dst)
-    n_dst = torch.where(w_dst > 0, covered.clamp(min=1), n_src.to(counts.device))
-    return rebin(counts, w_src, w_dst, n_dst), n_dst
-
-
-def _fits(absmax, w, n) -> bool:
-    """Whether every row's grid ``(w, n)`` holds values up to ``absmax`` (scalars per tensor: less overhead)."""
-    if absmax.numel() == 1:
-        a, wf = float(absmax), float(w)
-        return a <= wf * int(n) and (wf > 0 or a == 0)
-    return bool(((absmax.double() <= w.double() * n) & ((w > 0) | (absmax == 0))).all())
-
-
-def _onto(counts, w_src, w_dst, n_dst, cols: int):
-    """A batch's kernel counts (width ``w_src``) as rows of ``cols`` bins on the grid ``(w_dst, n_dst)``.
-
-    Counts at or past a row's last bin are values on its (closed) top edge: they join the last bin.
-    """
-    if w_src is w_dst and (n_dst.numel() == 1 or bool((n_dst == cols).all())):  # same grid, rows full: fold, cut
-        if counts.shape[1] > cols:
-            counts[:, cols - 1] += counts[:, cols:].sum(1)
-        return counts[:, :cols]
-    return _pad(rebin(counts, w_src, w_dst, n_dst), cols)
-
-
-def _pad(counts: torch.Tensor, cols: int) -> torch.Tensor:
-    return counts if counts.shape[1] >= cols else torch.nn.functional.pad(counts, (0, cols - counts.shape[1]))
 
 
 # ====================================================================== calibrator
@@ -237,15 +201,16 @@ class HistogramCalibrator(_Calibrator):
         dev = x.device
         w, n = self._width.to(dev), self._nbins.to(dev)
         counts, absmax, reach, nonfinite = self._hist(xc, w, self._counts.shape[1], axis)
-        if _fits(absmax, w, n):  # the usual case: the grid already holds the batch
+        if holds(absmax, w, n):  # the usual case: the grid already holds the batch
             w_new, n_new = w, n
         else:
             w_new, n_new = self._fit(w, n, torch.maximum(self._absmax.to(dev), absmax))
             if not bool((absmax <= reach).all()):  # values past the pass's reach: bin again on the new grid
                 counts, _, _, _ = self._hist(xc, w_new, int(n_new.max()), axis)
                 w = w_new
-            self._counts = rebin(self._counts, self._width, w_new.to(self._counts.device), n_new.to(self._counts.device))
-        counts = _onto(counts, w, w_new, n_new, self._counts.shape[1])
+            home = self._counts.device
+            self._counts = rebin(self._counts, self._width, w_new.to(home), n_new.to(home))
+        counts = onto(counts, w, w_new, n_new, self._counts.shape[1])
         if self._skip_zeros:
             zeros = xc == 0
             nzero = zeros.sum() if axis is None else zeros.sum(dim=[d for d in range(xc.dim()) if d != axis])
@@ -263,7 +228,7 @@ class HistogramCalibrator(_Calibrator):
         kernel's ``fl(1 / range) * K`` is ``fl(1 / w)`` whatever ``K`` is: a value's bin
         depends on the width only. ``reach`` is that range: values above it were not counted.
         """
-        K = _next_pow2(cols)
+        K = kernel_bins(cols)
         rng = w.float() * K
         r = rng[0] if axis is None else rng
         counts, absmax, nonfinite = torch.ops.lq.abs_histogram(xc, r, K, axis)
@@ -328,11 +293,11 @@ class HistogramCalibrator(_Calibrator):
                              f"row(s) (amax shapes {self._amax_shape} / {other._amax_shape})")
         dev = self._counts.device
         w = torch.maximum(self._width, other._width.to(dev))  # the coarser grid: exact when the widths nest
-        a, na = _regrid(self._counts, self._width, self._nbins, w)
-        b, nb = _regrid(other._counts.to(dev), other._width.to(dev), other._nbins.to(dev), w)
+        a, na = regrid(self._counts, self._width, self._nbins, w)
+        b, nb = regrid(other._counts.to(dev), other._width.to(dev), other._nbins.to(dev), w)
         n = torch.maximum(na, nb)
         cols = int(n.max())
-        self._counts = _pad(a, cols) + _pad(b, cols)
+        self._counts = pad(a, cols) + pad(b, cols)
         self._width, self._nbins = w, n
         self._absmax = torch.maximum(self._absmax, other._absmax.to(dev))
 
@@ -357,9 +322,9 @@ class HistogramCalibrator(_Calibrator):
         # 1. agree on the grid (the coarsest width), 2. re-bin onto it, 3. sum the counts
         w_all = w.clone()
         dist.all_reduce(w_all, op=dist.ReduceOp.MAX, group=process_group)
-        counts, n = _regrid(counts, w, n, w_all)
+        counts, n = regrid(counts, w, n, w_all)
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=process_group)
-        counts = _pad(counts, int(n.max())).contiguous()
+        counts = pad(counts, int(n.max())).contiguous()
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=process_group)
         absmax = absmax.clone()
         dist.all_reduce(absmax, op=dist.ReduceOp.MAX, group=process_group)
