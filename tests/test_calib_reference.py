@@ -164,3 +164,25 @@ def test_calibrate_model_bins_all_the_data_on_the_global_range(digits_model, met
         want = min(_ref(method, kwargs, ref.hist, ref.edges), top)
         assert abs(float(amax[name]) - want) <= ref.width * (1 + 1e-6), (name, float(amax[name]), want)
         assert torch.equal(again[name], amax[name]), name
+
+
+def test_calibrate_model_keeps_a_users_histogram_settings(digits_model):
+    """A quantizer that already holds a HistogramCalibrator with the engine's num_bins keeps it (skip_zeros here)."""
+    from lq.calibration import calibrate_model
+    from lq.convert import quantize_model
+
+    model, batches, acts = digits_model
+    q = copy.deepcopy(model)
+    quantize_model(q)
+    quantizer = q.get_submodule("conv2._input_quantizer")
+    mine = calib.HistogramCalibrator(8, skip_zeros=True)
+    quantizer.calibrator = mine
+    calibrate_model(q, batches, method="percentile", percentile=99.0)
+    assert quantizer.calibrator is mine
+    nonzero = sum(int((a != 0).sum()) for a in acts["conv2"])
+    assert int(mine._calib_hist.sum()) == nonzero < sum(a.numel() for a in acts["conv2"])  # post-ReLU zeros left out
+    top = max(float(a.abs().max()) for a in acts["conv2"])
+    ref = RefHistogram(2048, start=top, skip_zeros=True)
+    for a in acts["conv2"]:
+        ref.collect(a.numpy())
+    assert abs(float(quantizer.amax) - percentile_amax(ref.hist, ref.edges, 99.0)) <= ref.width
