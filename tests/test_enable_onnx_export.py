@@ -149,6 +149,19 @@ def test_fp8_exports_at_opset_17_and_matches_lq(dtype):
     torch.testing.assert_close(_run(blob, x), expect, atol=tol, rtol=tol)
 
 
+def test_uncalibrated_quantizer_is_refused_by_name():
+    net = _Net(QuantDescriptor(), QuantDescriptor(axis=0))
+    net.fc2.input_quantizer.name = "fc2.input_quantizer"
+    net.fc1.input_quantizer.amax = 1.0
+    net.fc1.weight_quantizer.amax = net.fc1.weight.detach().abs().amax(dim=1, keepdim=True)
+    net.fc2.weight_quantizer.amax = net.fc2.weight.detach().abs().amax(dim=1, keepdim=True)
+    with lq.enable_onnx_export(), pytest.raises(RuntimeError, match="fc2.input_quantizer: no amax to export"):
+        net(rand(2, 16))
+    dynamic = _Net(QuantDescriptor(dynamic=True), QuantDescriptor(axis=0, dynamic=True))
+    with lq.enable_onnx_export():
+        assert dynamic(rand(2, 16)).shape == (2, 8)  # dynamic quantizers need no amax
+
+
 def test_top_level_names_of_the_reference_package():
     assert lq.enable_onnx_export is lq.quant_modules.enable_onnx_export
     assert lq.initialize is lq.quant_modules.initialize and lq.deactivate is lq.quant_modules.deactivate

@@ -573,6 +573,9 @@ class TensorQuantizer(nn.Module):
     def _fb_fake_quant(self, inputs: torch.Tensor, amax: torch.Tensor, narrow_range: bool) -> torch.Tensor:
         """Export mode (``use_fb_fake_quant``, ``lq.enable_onnx_export()``): stock PyTorch ops that
         ``torch.onnx.export`` translates without lq's translation table (see :mod:`lq.nn.modules._export_mode`)."""
+        if self._amax is None and not self.dynamic:
+            raise RuntimeError(f"{self.name}: no amax to export (uncalibrated): calibrate and load_calib_amax() before "
+                               "exporting, or give the descriptor dynamic=True for amax computed from each input")
         if self.is_fp8:
             return _export_mode.scaled_e4m3(inputs, amax)
         axis = None if amax.numel() == 1 else self._channel_axis(amax, inputs)
