@@ -56,10 +56,14 @@ def _check_bool(name: str, value) -> bool:
     return value
 
 
+class FloatFormatError(ValueError, TypeError):
+    """A floating point ``num_bits`` other than (4, 3) (a ValueError; also the reference toolkit's TypeError)."""
+
+
 def _norm_num_bits(num_bits, unsigned: bool = False, what: str = "num_bits"):
     if isinstance(num_bits, (list, tuple)):
         if tuple(num_bits) != FP8_E4M3:
-            raise ValueError(f"{what}={tuple(num_bits)!r} is not supported: floating point quantization takes (4, 3) (FP8 E4M3)")
+            raise FloatFormatError(f"{what}={tuple(num_bits)!r} is not supported: floating point quantization takes (4, 3) (FP8 E4M3)")
         return FP8_E4M3
     try:
         _checks.check_num_bits(num_bits, unsigned)
@@ -129,7 +133,11 @@ def _norm_amax(amax):
     for v in vals:
         if not (v >= 0 and v != float("inf")):
             raise ValueError(f"amax must be finite and >= 0, got {v}")
-    return amax
+    # amax is kept in float32 (the quantizer's buffer): the descriptor holds the same float32 values
+    amax32 = torch.tensor(amax, dtype=torch.float32)
+    if not bool(torch.isfinite(amax32).all()):
+        raise ValueError(f"amax must fit float32 (at most {torch.finfo(torch.float32).max:.4g}), got {amax}")
+    return amax32.tolist()
 
 
 def _nested_floats(v):
