@@ -618,3 +618,21 @@ def test_no_data_message_names_the_cause():
     q.enable_calib()
     with pytest.raises(RuntimeError, match="Calibrator returned None.*saw no data"):
         q.load_calib_amax()
+
+
+def test_descriptor_amax_equals_the_quantizers_float32_amax():
+    desc = QuantDescriptor(amax=[3.142, 2.718])
+    q = TensorQuantizer(desc)
+    q.load_state_dict(q.state_dict())
+    assert q.amax.tolist() == desc.amax  # the float32 values on both sides (3.142 itself is not a float32)
+    assert desc.amax == [float(torch.tensor(3.142, dtype=torch.float32)), float(torch.tensor(2.718))]
+    assert QuantDescriptor(**desc.dict()) == desc
+    with pytest.raises(ValueError, match="fit float32"):
+        QuantDescriptor(amax=1e300)
+
+
+@pytest.mark.parametrize("num_bits", [(5, 2), (7, 3)])
+def test_unsupported_float_format_is_value_and_type_error(num_bits):
+    for exc in (ValueError, TypeError):  # TypeError as the reference toolkit raises it
+        with pytest.raises(exc, match=r"takes \(4, 3\)"):
+            TensorQuantizer(QuantDescriptor(num_bits=num_bits))
