@@ -12,17 +12,17 @@ import tempfile
 import time
 import warnings
 from collections import Counter
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
 import torch
 
-from lq.export import (_finish, _float_twin, _fold_bn, _fold_constants, _int16, _kernel_report, _lower, _placement,
-                       _symbolic, _timing, _verify)
+from lq.export import (_finish, _float_twin, _fold_bn, _fold_constants, _int16, _kernel_report, _loop_ops, _loops,
+                       _lower, _placement, _symbolic, _timing, _verify)
 from lq.export._kernel_report import LayerKernel
 from lq.export._fold_bn import FoldRecord
-from lq.export._ir import ExportError, Graph, QuantNodeInfo, layer_name
+from lq.export._ir import ExportError, Graph, QuantNodeInfo, all_nodes, layer_name
 
 log = logging.getLogger(__name__)
 
@@ -212,16 +212,39 @@ def _flatten_out(out) -> list[torch.Tensor]:
     raise TypeError(f"model output of type {type(out).__name__} is not supported (tensors, tuples, dicts)")
 
 
-def _grown_spatially(args: tuple) -> tuple:
-    """The sample at twice its spatial size (each spatial dim concatenated with itself): a second shape that
-    a model with dynamic H and W must run on, with the same value distribution."""
-    out = []
+def _grown(args: tuple, dims: list[dict[int, str]]) -> tuple:
+    """The sample at twice its size along its dynamic axes other than the batch (each concatenated with itself):
+    a second shape that a model with dynamic H and W, or a dynamic sequence length, must run on, with the same
+    value distribution. ``dims``: :func:`_dynamic_dims` of each tensor input (axes of one name grow together)."""
+    out, k = [], 0
     for a in args:
-        if isinstance(a, torch.Tensor) and a.dim() >= 3:
-            for d in range(2, a.dim()):
-                a = torch.cat([a, a], dim=d)
+        if isinstance(a, torch.Tensor):
+            for d, name in sorted(dims[k].items()):
+                if name != "batch":
+                    a = torch.cat([a, a], dim=d)
+            k += 1
         out.append(a)
     return tuple(out)
+
+
+def _extra_dims(dynamic_dims, tensors: list) -> list[dict[int, str]]:
+    """``dynamic_dims`` as ``{axis: name}`` per tensor input: a sequence of axes applies to every input that has
+    them (named ``dim<axis>``), a sequence of one mapping per input is taken as given."""
+    spec = list(dynamic_dims.values()) if isinstance(dynamic_dims, Mapping) else list(dynamic_dims)
+    if spec and all(isinstance(d, Mapping) for d in spec):
+        if isinstance(dynamic_dims, Mapping) or len(spec) != len(tensors):
+            raise ValueError(f"dynamic_dims: give one {{axis: name}} mapping per tensor input, in order ({len(tensors)} "
+                             f"input(s)), got {dynamic_dims!r}")
+        for m, a in zip(spec, tensors):
+            if any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < a.dim() or not isinstance(v, str)
+                   for d, v in m.items()):
+                raise ValueError(f"dynamic_dims: {m!r} is not allowed for an input of shape {tuple(a.shape)}: "
+                                 "{axis: name} with 0 <= axis < its rank and a str name")
+        return [dict(m) for m in spec]
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in spec):
+        raise ValueError(f"dynamic_dims={dynamic_dims!r} is not allowed: axes >= 1 (dim 0 is dynamic_batch), or one "
+                         "{axis: name} mapping per input")
+    return [{d: f"dim{d}" for d in spec if d < a.dim()} for a in tensors]
 
 
 def _choose_opset(opset, model_has_fp8: bool) -> int:
@@ -240,8 +263,10 @@ def _model_has_fp8(model) -> bool:
     return False
 
 
-def _dynamic_dims(a, dynamic_batch: bool, dynamic_spatial: bool) -> dict[int, str]:
-    """``{axis: name}`` of the dynamic axes of one input: dim 0 (batch), dims 2.. of an image-like input."""
+def _dynamic_dims(a, dynamic_batch: bool, dynamic_spatial: bool, extra: Mapping[int, str] | None = None
+                  ) -> dict[int, str]:
+    """``{axis: name}`` of the dynamic axes of one input: dim 0 (batch), dims 2.. of an image-like input, and
+    its ``extra`` axes (from ``dynamic_dims``)."""
     dims: dict[int, str] = {}
     if not isinstance(a, torch.Tensor) or a.dim() == 0:
         return dims
@@ -250,6 +275,7 @@ def _dynamic_dims(a, dynamic_batch: bool, dynamic_spatial: bool) -> dict[int, st
     if dynamic_spatial and a.dim() >= 3:
         for d in range(2, a.dim()):
             dims[d] = ("height", "width")[d - 2] if a.dim() == 4 else f"dim{d}"
+    dims.update(extra or {})
     return dims
 
 
@@ -259,7 +285,8 @@ def _export_dynamo(model, args, opset, input_names, output_names, dims) -> onnx.
     if any(dims):
         shared: dict[str, Any] = {}
         kw["dynamic_shapes"] = tuple(
-            {ax: shared.setdefault(nm, torch.export.Dim(nm, min=1 if ax == 0 else 2)) for ax, nm in d.items()} or None
+            {ax: shared.setdefault(nm, torch.export.Dim(nm, min=1 if nm == "batch" else 2)) for ax, nm in d.items()}
+            or None
             for d in dims)
     with warnings.catch_warnings(), _quiet_torch_onnx():
         warnings.simplefilter("ignore")
@@ -321,7 +348,7 @@ def _set_opset(model: onnx.ModelProto, opset: int, notes: list[str]) -> tuple[on
 
 
 def _count_qdq(model: onnx.ModelProto) -> dict[str, int]:
-    c = Counter(n.op_type for n in model.graph.node)
+    c = Counter(n.op_type for n in all_nodes(model.graph))
     return {"QuantizeLinear": c.get("QuantizeLinear", 0), "DequantizeLinear": c.get("DequantizeLinear", 0)}
 
 
@@ -359,6 +386,7 @@ def export_onnx(
     output_names: Sequence[str] | None = None,
     dynamic_batch: bool = True,
     dynamic_spatial: bool = False,
+    dynamic_dims: Sequence[int] | Sequence[Mapping[int, str]] = (),
     target: str = "onnxruntime",
     weight_format: str | None = None,
     providers: Sequence[str] | None = None,
@@ -393,6 +421,13 @@ def export_onnx(
         dynamic_spatial: also make the spatial dims (H, W, ...: every dim after the channels of an input of
             rank >= 3) dynamic, for fully convolutional models run on several sizes (image pyramids). A model
             that fixes its spatial size (flatten -> Linear) cannot, and the error says so.
+        dynamic_dims: more dynamic axes: a sequence of axes for every input that has them, e.g. ``(1,)`` for the
+            time axis of batch-first sequences ``(B, T, F)``, ``(3,)`` for the width of a text-line image; or one
+            ``{axis: name}`` per tensor input where inputs differ (axes of one name have one size), e.g.
+            ``[{0: "batch", 1: "time"}, {1: "batch"}, {1: "batch"}]`` for ``x, h0, c0`` with
+            ``dynamic_batch=False``. A ``QuantLSTM`` is exported as one ONNX ``Scan`` per layer and direction,
+            which runs for any sequence length. Verification also runs the sample doubled along every dynamic
+            axis not named "batch".
         target: "onnxruntime" (Q/DQ placed for onnxruntime's QLinear* fusions; uint8 after ReLU) or
             "tensorrt" (int8 with zero point 0 everywhere, as TensorRT requires).
         weight_format: "int8" (quantized weights stored as int8 initializers + DequantizeLinear;
@@ -454,26 +489,34 @@ def export_onnx(
     with torch.no_grad(), _export_mode(work):
         ref_out = [o.detach().float().numpy() for o in _flatten_out(work(*args))]
     cases = [(args, ref_out)]  # (inputs, PyTorch outputs) that verification compares onnxruntime with
-    if dynamic_spatial:
-        grown = _grown_spatially(args)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    dims = [_dynamic_dims(a, dynamic_batch, dynamic_spatial, extra)
+            for a, extra in zip(tensors, _extra_dims(dynamic_dims, tensors), strict=True)]
+    if any(name != "batch" for dd in dims for name in dd.values()):
+        grown = _grown(args, dims)
+        what = "dynamic_spatial=True" if dynamic_spatial else f"dynamic_dims={dynamic_dims}"
         try:
             with torch.no_grad(), _export_mode(work):
                 cases.append((grown, [o.detach().float().numpy() for o in _flatten_out(work(*grown))]))
         except Exception as e:
             raise ExportError(
-                f"dynamic_spatial=True, but the model does not run on an input twice the sample's spatial size "
-                f"({type(e).__name__}: {_short(e, 300)}): it fixes its spatial size (e.g. flatten -> Linear); "
-                "export with dynamic_spatial=False") from e
-    n_in = len([a for a in args if isinstance(a, torch.Tensor)])
+                f"{what}, but the model does not run on an input twice the sample's size along those axes "
+                f"({type(e).__name__}: {_short(e, 300)}): it fixes its spatial size (e.g. flatten -> Linear) or its "
+                f"length; export with {'dynamic_spatial=False' if dynamic_spatial else 'dynamic_dims=()'}") from e
+    n_in = len(tensors)
     input_names = list(input_names) if input_names else (
         ["input"] if n_in == 1 else [f"input_{i}" for i in range(n_in)])
     output_names = list(output_names) if output_names else (
         ["output"] if len(ref_out) == 1 else [f"output_{i}" for i in range(len(ref_out))])
 
     exporter = "dynamo" if dynamo else "legacy"
-    dims = [_dynamic_dims(a, dynamic_batch, dynamic_spatial) for a in args if isinstance(a, torch.Tensor)]
+    notes: list[str] = []
     try:
-        with torch.no_grad(), _export_mode(work):
+        # a QuantLSTM traces as one placeholder per layer and direction (not one step per time step): the
+        # current exporter only (the legacy one has no translation for it and keeps the unrolled steps)
+        loops = _loop_ops.loop_mode(work) if dynamo else contextlib.nullcontext([])
+        with torch.no_grad(), _export_mode(work), loops as loop_notes:
+            notes.extend(loop_notes)
             if dynamo:
                 proto = _export_dynamo(work, args, opset, input_names, output_names, dims)
             else:
@@ -483,43 +526,52 @@ def export_onnx(
     except Exception as e:
         raise ExportError(f"torch.onnx export ({exporter}) failed: {type(e).__name__}: {_short(e)}") from e
 
+    proto = _loops.lower_recurrent(proto)  # recurrent placeholders -> Scan (bodies still hold lq placeholders)
     timed = verify and check_fusion and target == "onnxruntime"
     twin = _float_twin.float_twin(proto) if timed else None
 
     # --- graph rewrites
-    g = Graph(proto)
     infos: list[QuantNodeInfo] = []
-    notes: list[str] = []
-    _fold_constants.fold_constants(g)
-    _lower.lower_placeholders(g, _lower.LowerOptions(opset=opset, weight_format=weight_format,
-                                                     activation_dtype="uint8" if target == "onnxruntime" else "int8",
-                                                     narrow_clamp=target == "onnxruntime"), infos)
-    _lower.fold_weight_quantize(g)
     folds: list[FoldRecord] = []
-    if fold_bn:
-        folds = _fold_bn.fold_batchnorm(g)
-        for f in folds:
-            if f.skipped:
-                notes.append(f"BatchNorm '{f.bn}' not folded into '{f.layer}': {f.skipped}")
-            if f.clipped:
-                notes.append(f"folding '{f.bn}' flipped the sign of {f.clipped} weight(s) at -128, clipped to 127")
-    _finish.split_weight_dq(g)
-    _finish.transpose_weight_dq(g)
-    if target == "onnxruntime":
+    u8_weights: list[str] = []
+    lower_opts = _lower.LowerOptions(opset=opset, weight_format=weight_format,
+                                     activation_dtype="uint8" if target == "onnxruntime" else "int8",
+                                     narrow_clamp=target == "onnxruntime")
+
+    def rewrite(g: Graph) -> None:
+        """The Q/DQ passes, in order; every loop body goes through the same ones (:func:`_loops.rewrite_bodies`)."""
+        _fold_constants.fold_constants(g)
+        _lower.lower_placeholders(g, lower_opts, infos)
+        _lower.fold_weight_quantize(g)
+        if fold_bn:
+            folds.extend(_fold_bn.fold_batchnorm(g))
+        _finish.split_weight_dq(g)
+        _finish.transpose_weight_dq(g)
+        if target == "onnxruntime":
+            _placement.dedupe_quantizers(g)
+            _placement.split_shared_producers(g)
+            _placement.hoist_quantizers(g, relu_to_unsigned=True)
+            _placement.quantize_bias(g)
         _placement.dedupe_quantizers(g)
-        _placement.split_shared_producers(g)
-        _placement.hoist_quantizers(g, relu_to_unsigned=True)
-        _placement.quantize_bias(g)
-    _placement.dedupe_quantizers(g)
-    u8_weights = _int16.encode_int16_safe(g) if target == "onnxruntime" else []
-    if weight_format == "qdq":
-        _finish.weights_to_qdq(g)
+        if target == "onnxruntime":
+            u8_weights.extend(_int16.encode_int16_safe(g))
+        if weight_format == "qdq":
+            _finish.weights_to_qdq(g)
+        _loops.rewrite_bodies(g, rewrite)
+
+    g = Graph(proto)
+    rewrite(g)
+    for f in folds:
+        if f.skipped:
+            notes.append(f"BatchNorm '{f.bn}' not folded into '{f.layer}': {f.skipped}")
+        if f.clipped:
+            notes.append(f"folding '{f.bn}' flipped the sign of {f.clipped} weight(s) at -128, clipped to 127")
     proto = g.finalize()
     ranks = _finish.value_ranks(proto)
     g = Graph(proto)
     if _placement.global_pools(g, ranks):
         proto = g.finalize()
-    layer_of = {n.name: layer_name(n) for n in proto.graph.node}
+    layer_of = {n.name: layer_name(n) for n in all_nodes(proto.graph)}
     unfused = _kernel_report.unfused_layers(proto, layer_of) if target == "onnxruntime" else []
     risks = _int16.int16_risks(proto)  # before the metadata goes: it names the layers
     if u8_weights:
@@ -604,7 +656,7 @@ def export_onnx(
     if check_fusion:
         try:
             optimized = _verify.optimized_model(path, providers)
-            ort_ops = Counter(n.op_type for n in optimized.graph.node)
+            ort_ops = Counter(n.op_type for n in all_nodes(optimized.graph))  # loop bodies too
             if target == "onnxruntime":
                 kernels = _kernel_report.layer_kernels(proto, optimized, layer_of)
         except Exception as e:  # pragma: no cover - diagnostics only

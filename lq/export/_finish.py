@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from lq.export._ir import Graph, attr, set_attr
+from lq.export._ir import Graph, all_nodes, attr, set_attr
 from lq.export._symbolic import DOMAIN
 
 
@@ -138,5 +138,5 @@ def value_ranks(model: onnx.ModelProto) -> dict[str, int]:
 
 def strip_metadata(model: onnx.ModelProto) -> None:
     """Drop the exporter's per-node metadata (stack traces, FX node text): it can outweigh int8 weights."""
-    for n in model.graph.node:
+    for n in all_nodes(model.graph):  # loop bodies too
         del n.metadata_props[:]

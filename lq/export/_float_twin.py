@@ -13,6 +13,7 @@ import onnx
 from onnx import helper
 
 from lq.export._finish import remove_placeholder_opset
+from lq.export._ir import subgraphs
 from lq.export._symbolic import DOMAIN
 
 
@@ -20,13 +21,20 @@ def float_twin(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of the exporter's graph (lq placeholders still in it) with each placeholder passing its input on."""
     twin = onnx.ModelProto()
     twin.CopyFrom(model)
+    _pass_through(twin.graph)
+    remove_placeholder_opset(twin)
+    return twin
+
+
+def _pass_through(graph: onnx.GraphProto) -> None:
+    """Each placeholder of ``graph`` and of its loop bodies -> an Identity of its input."""
     nodes = []
-    for n in twin.graph.node:
+    for n in graph.node:
         if n.domain == DOMAIN:
             nodes.append(helper.make_node("Identity", [n.input[0]], [n.output[0]], name=n.name))
         else:
+            for sub in subgraphs(n):
+                _pass_through(sub)
             nodes.append(n)
-    del twin.graph.node[:]
-    twin.graph.node.extend(nodes)
-    remove_placeholder_opset(twin)
-    return twin
+    del graph.node[:]
+    graph.node.extend(nodes)

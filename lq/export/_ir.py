@@ -52,6 +52,7 @@ class Graph:
             self._used_names.update(n.output)
             self._used_names.update(n.input)
         self._used_names.update(i.name for i in self.g.input)
+        self._used_names.update(_names_inside(self.nodes))  # a loop body's names: never reused outside it
         self.graph_outputs = {o.name for o in self.g.output}
         self.graph_inputs = {i.name for i in self.g.input}
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
@@ -154,6 +155,46 @@ class Graph:
         self.g.initializer.extend(inits)
         del self.g.value_info[:]  # stale after rewrites; shape inference recomputes what is needed
         return self.model
+
+
+def subgraphs(node: onnx.NodeProto):
+    """The graphs held by ``node``'s attributes (a Scan/Loop body, If branches)."""
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            yield a.g
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            yield from a.graphs
+
+
+def all_nodes(graph: onnx.GraphProto):
+    """Every node of ``graph`` and of the graphs inside it, at any depth."""
+    for n in graph.node:
+        yield n
+        for sub in subgraphs(n):
+            yield from all_nodes(sub)
+
+
+def as_model(graph: onnx.GraphProto, like: onnx.ModelProto) -> onnx.ModelProto:
+    """A model holding a copy of ``graph`` with ``like``'s opsets: a subgraph wrapped for :class:`Graph`."""
+    m = onnx.ModelProto()
+    m.ir_version = like.ir_version
+    m.opset_import.extend(like.opset_import)
+    m.graph.CopyFrom(graph)
+    return m
+
+
+def _names_inside(nodes) -> set[str]:
+    """Every value and node name in the subgraphs of ``nodes`` (loop bodies, If branches), at any depth."""
+    out: set[str] = set()
+    for n in nodes:
+        for sub in subgraphs(n):
+            out.update(i.name for i in list(sub.input) + list(sub.initializer))
+            for m in sub.node:
+                out.update(m.input)
+                out.update(m.output)
+                out.add(m.name)
+            out |= _names_inside(sub.node)
+    return out
 
 
 def _to_tensor(arr: np.ndarray, name: str) -> onnx.TensorProto:

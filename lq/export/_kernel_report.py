@@ -1,7 +1,8 @@
 """Which kernel onnxruntime runs for every quantized layer, and why a layer stays float.
 
 The answer comes from onnxruntime's own optimized graph (the fused nodes keep the name of the node they
-replace), not from a prediction: a quantized conv that onnxruntime could not fuse shows up as the float
+replace; a loop keeps its name, and its body is read the same way, so the step of an exported LSTM is
+reported like any layer), not from a prediction: a quantized conv that onnxruntime could not fuse shows up as the float
 ``Conv``/``FusedConv`` it really runs. The reason for a float layer is read from the exported graph: what is
 missing around it for onnxruntime's QDQ fusion (an unquantized input, or an output that a float op reads).
 """
@@ -12,7 +13,7 @@ import dataclasses
 
 import onnx
 
-from lq.export._ir import Graph
+from lq.export._ir import Graph, as_model
 from lq.export._verify import INT8_KERNELS
 
 #: exported ops a layer's kernel is reported for (the compute ops and the quantized joins/pools)
@@ -66,16 +67,26 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: 
 
 
 def unfused_layers(model: onnx.ModelProto, layer_of: dict[str, str]) -> list[str]:
-    """Conv/Gemm/MatMul nodes onnxruntime cannot turn into an INT8 kernel, each with the reason."""
-    g = Graph(model)
-    prod, cons = g.producers(), g.consumers()
+    """Conv/Gemm/MatMul nodes (loop bodies included) onnxruntime cannot turn into an INT8 kernel, with the reason."""
     out = []
-    for n in g.nodes:
-        if n.op_type in _COMPUTE:
-            why = float_reason(n, g, prod, cons, layer_of)
-            if why:
-                out.append(f"{layer_of.get(n.name) or n.name}: {why}")
+    for g in _graphs(model):
+        prod, cons = g.producers(), g.consumers()
+        for n in g.nodes:
+            if n.op_type in _COMPUTE:
+                why = float_reason(n, g, prod, cons, layer_of)
+                if why:
+                    out.append(f"{layer_of.get(n.name) or n.name}: {why}")
     return out
+
+
+def _graphs(model: onnx.ModelProto):
+    """:class:`Graph` views of ``model``'s graph and of every loop body in it."""
+    stack = [model.graph]
+    while stack:
+        graph = stack.pop(0)
+        g = Graph(model) if graph is model.graph else Graph(as_model(graph, model))
+        yield g
+        stack.extend(a.g for n in graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH)
 
 
 def _quantized(n: onnx.NodeProto, prod: dict) -> bool:
@@ -104,16 +115,28 @@ def _runs_as(n: onnx.NodeProto, opt_by_name: dict, opt_cons: dict, prod: dict) -
 
 
 def layer_kernels(model: onnx.ModelProto, optimized: onnx.ModelProto, layer_of: dict[str, str]) -> list[LayerKernel]:
-    """For every quantized compute op (and quantized join or pool) of ``model``: what onnxruntime runs."""
-    g = Graph(model)
+    """For every quantized compute op (and quantized join or pool) of ``model``, loop bodies included: what
+    onnxruntime runs."""
+    return _kernels(Graph(model), optimized.graph, model, layer_of)
+
+
+def _kernels(g: Graph, optimized: onnx.GraphProto, model: onnx.ModelProto, layer_of: dict) -> list[LayerKernel]:
+    """:func:`layer_kernels` of one graph ``g`` against its optimized twin; a loop's body against the body of
+    the optimized loop of the same name."""
     prod, cons = g.producers(), g.consumers()
-    opt_by_name = {m.name: m for m in optimized.graph.node if m.name}
+    opt_by_name = {m.name: m for m in optimized.node if m.name}
     opt_cons: dict[str, list] = {}
-    for m in optimized.graph.node:
+    for m in optimized.node:
         for i in m.input:
             opt_cons.setdefault(i, []).append(m)
     out = []
     for n in g.nodes:
+        opt_loop = opt_by_name.get(n.name)
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH and opt_loop is not None:
+                twin = next((b.g for b in opt_loop.attribute if b.name == a.name and b.type == a.type), None)
+                if twin is not None:
+                    out.extend(_kernels(Graph(as_model(a.g, model)), twin, model, layer_of))
         if n.op_type not in _COMPUTE + _JOINS or not _quantized(n, prod):
             continue
         kernel = _runs_as(n, opt_by_name, opt_cons, prod)

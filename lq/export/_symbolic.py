@@ -33,9 +33,33 @@ PLACEHOLDERS = {
     "FakeAffineQuant": (("x", "min_range", "max_range"), ("num_bits", "x_rank")),
 }
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _schemas_done = False
 _legacy_done = False
+_FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
+
+
+def register_placeholder(name: str, inputs, outputs, attrs, *, optional=(), doc: str) -> None:
+    """Register one ``lq.export`` placeholder schema with onnx: float tensors in (``optional`` ones last) and
+    out, int attributes. Nothing when it exists already (e.g. from an import under another module name)."""
+    import onnx
+    from onnx.defs import OpSchema
+
+    with _lock:
+        try:
+            onnx.defs.get_schema(name, VERSION, DOMAIN)
+            return
+        except Exception:
+            pass
+        opt = OpSchema.FormalParameterOption.Optional
+        onnx.defs.register_schema(OpSchema(
+            name, DOMAIN, VERSION, doc,
+            inputs=[OpSchema.FormalParameter(i, "T") for i in inputs]
+            + [OpSchema.FormalParameter(i, "T", param_option=opt) for i in optional],
+            outputs=[OpSchema.FormalParameter(o, "T") for o in outputs],
+            type_constraints=[("T", _FLOATS, "float tensors")],
+            attributes=[OpSchema.Attribute(a, OpSchema.AttrType.INT, required=False) for a in attrs],
+        ))
 
 
 def register_schemas() -> None:
@@ -44,30 +68,9 @@ def register_schemas() -> None:
     with _lock:
         if _schemas_done:
             return
-        import onnx
-        from onnx.defs import OpSchema
-
-        floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
         for name, (inputs, attrs) in PLACEHOLDERS.items():
-            try:
-                onnx.defs.get_schema(name, VERSION, DOMAIN)
-                continue  # already registered (e.g. by an earlier import under another module name)
-            except Exception:
-                pass
-            outputs = [OpSchema.FormalParameter("y", "T")]
-            if name == "Quant":
-                outputs.append(OpSchema.FormalParameter("scale", "T"))
-            schema = OpSchema(
-                name,
-                DOMAIN,
-                VERSION,
-                f"lq placeholder for torch.ops.lq ({name}); lowered to Q/DQ by lq.export",
-                inputs=[OpSchema.FormalParameter(i, "T") for i in inputs],
-                outputs=outputs,
-                type_constraints=[("T", floats, "float tensors")],
-                attributes=[OpSchema.Attribute(a, OpSchema.AttrType.INT, required=False) for a in attrs],
-            )
-            onnx.defs.register_schema(schema)
+            register_placeholder(name, inputs, ["y", "scale"] if name == "Quant" else ["y"], attrs,
+                                 doc=f"lq placeholder for torch.ops.lq ({name}); lowered to Q/DQ by lq.export")
         _schemas_done = True
 
 
@@ -114,6 +117,8 @@ def translation_table() -> dict:
         axes = op.Constant(value_ints=[int(d) for d in (dim if isinstance(dim, (list, tuple)) else [dim])])
         return op.ReduceMax(x, axes, keepdims=int(bool(keepdim)))
 
+    from lq.export import _loop_ops  # the recurrent placeholders (QuantLSTM as one loop)
+
     ops = torch.ops.lq
     return {
         torch.ops.aten.amax.default: amax,
@@ -122,6 +127,7 @@ def translation_table() -> dict:
         ops.scaled_e4m3.default: scaled_e4m3,
         ops.fake_dynamic_block_quant.default: dynamic_block,
         ops.fake_affine_quant.default: fake_affine,
+        **_loop_ops.translations(),
     }
 
 

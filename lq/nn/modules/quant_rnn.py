@@ -23,6 +23,10 @@ reference toolkit, ``QuantLSTM`` takes ``proj_size`` (``W_hr`` gets its own weig
 quantizer, ``_weight_hr_quantizers``), PackedSequence input (each step quantizes
 the rows of the sequences still running), unbatched input and ``from_float``.
 With every quantizer disabled both equal ``torch.nn.LSTM`` / ``LSTMCell``.
+
+Export: inside ``lq.export.export_onnx`` a ``QuantLSTM`` whose input quantizers are calibrated per
+tensor traces each layer and direction as one placeholder op (:meth:`QuantLSTM._direction_loop`) that
+the export writes as an ONNX ``Scan``: one loop, any sequence length, the step's Q/DQ inside it.
 """
 
 from __future__ import annotations
@@ -122,6 +126,9 @@ class QuantLSTM(nn.LSTM, QuantMixin):
 
     default_quant_desc_weight = tensor_quant.QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW
     _quantizer_names = ("_input_quantizers", "_weight_quantizers", "_weight_hr_quantizers")
+    #: set by lq.export on the copy it exports (:func:`lq.export._loop_ops.loop_mode`): trace the time loop as
+    #: one placeholder op per layer and direction instead of one step per time step
+    _export_as_loop = False
 
     @property
     def _num_directions(self) -> int:
@@ -177,6 +184,34 @@ class QuantLSTM(nn.LSTM, QuantMixin):
             outs[t] = h_new
         return outs, h, c
 
+    def _loop_export_blocker(self) -> str | None:
+        """Why :meth:`_direction_loop` would not compute what :meth:`_direction` does (None: it would).
+
+        The loop quantizes ``x`` of every step at once and ``h`` inside the step, each with the layer's input
+        quantizer: the numbers of the fused ``[x_t | h_{t-1}]`` only when that quantizer maps every element on
+        its own with one fixed amax (calibrated, per tensor) or is disabled."""
+        for i, q in enumerate(self._input_quantizers):
+            if q.is_enabled and not (_parts_quantize_alike(q, 2) and q.amax.numel() == 1):
+                return (f"_input_quantizers.{i} is not a calibrated per-tensor quantizer (dynamic, per-row or "
+                        "collecting calibration data), so it quantizes [x_t | h_t-1] as one tensor per step")
+        return None
+
+    def _direction_loop(self, seq, h, c, idx, reverse):
+        """Export path of :meth:`_direction` over a whole ``(T, B, F)`` sequence: one ``lq_export::lstm_scan``
+        placeholder (written as an ONNX ``Scan`` by lq.export). ``x`` of all steps is quantized and projected
+        at once; the quantizer of ``h`` is traced on a ``loop_state`` marker so the export moves exactly those
+        nodes into the loop body. Returns the outputs ``(T, B, P)`` and the final ``h, c``."""
+        from lq.export import _loop_ops
+
+        w_ih, w_hh, b_ih, b_hh, w_hr = self._layer_params(idx)
+        w_ih, w_hh = quantize_side_by_side(self._weight_quantizers[idx], [w_ih, w_hh])
+        if w_hr is not None:
+            w_hr = self._weight_hr_quantizers[idx](w_hr)
+        in_q = self._input_quantizers[idx]
+        xw = F.linear(in_q(seq), w_ih, b_ih)
+        h_q = in_q(_loop_ops.loop_state(h))
+        return _loop_ops.lstm_scan(xw, h, c, h_q, w_hh, b_hh, w_hr, reverse, self.hidden_size)
+
     def _initial_state(self, hx, batch, batched, like):
         n = self.num_layers * self._num_directions
         h_size = self.proj_size if self.proj_size > 0 else self.hidden_size
@@ -196,6 +231,9 @@ class QuantLSTM(nn.LSTM, QuantMixin):
 
     def forward(self, input, hx=None):
         packed = isinstance(input, PackedSequence)
+        if packed and self._export_as_loop:
+            raise ValueError("QuantLSTM: a PackedSequence input cannot be exported (its batch sizes are data); "
+                             "export with the padded (T, B, F) tensor instead")
         if packed:
             seq, batch_sizes = input.data, input.batch_sizes.tolist()
             batched, batch = True, batch_sizes[0]
@@ -216,12 +254,16 @@ class QuantLSTM(nn.LSTM, QuantMixin):
             h0, c0 = h0.index_select(1, input.sorted_indices), c0.index_select(1, input.sorted_indices)
         h_n, c_n = [], []
         for layer in range(self.num_layers):
-            steps = _steps(seq, batch_sizes)
+            steps = None if self._export_as_loop else _steps(seq, batch_sizes)
             outs = []
             for d in range(self._num_directions):
                 idx = layer * self._num_directions + d
-                out, h, c = self._direction(steps, h0[idx], c0[idx], idx, reverse=d == 1)
-                outs.append(_join(out, batch_sizes))
+                if steps is None:
+                    out, h, c = self._direction_loop(seq, h0[idx], c0[idx], idx, reverse=d == 1)
+                else:
+                    out, h, c = self._direction(steps, h0[idx], c0[idx], idx, reverse=d == 1)
+                    out = _join(out, batch_sizes)
+                outs.append(out)
                 h_n.append(h)
                 c_n.append(c)
             seq = torch.cat(outs, -1) if len(outs) > 1 else outs[0]
