@@ -22,6 +22,7 @@ has data, so an error never leaves a model half-calibrated.
 from __future__ import annotations
 
 import fnmatch
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -31,7 +32,8 @@ from torch import nn
 from lq.nn.modules.tensor_quantizer import TensorQuantizer, iter_quantizers, name_quantizers
 
 HISTOGRAM_METHODS = ("entropy", "percentile", "mse")
-METHODS = ("max",) + HISTOGRAM_METHODS
+#: ``auto`` collects histograms and then picks one of the others per layer group (:mod:`lq.auto_calib`)
+METHODS = ("max",) + HISTOGRAM_METHODS + ("auto",)
 
 
 class CalibrationError(RuntimeError):
@@ -223,6 +225,11 @@ def load_amax(quantizers, methods: Mapping[str, str], *, percentile: float = 99.
         if name in empty:
             continue
         m = methods[name]
+        if m == "auto":  # the search's starting point (lq.auto_calib chooses afterwards)
+            m = "max"
+            q.load_calib_amax("max" if _has_kind(q, "histogram") else None, strict=strict)
+            out[name] = q.amax
+            continue
         kwargs = {"percentile": percentile} if m == "percentile" else {}
         q.load_calib_amax(m if m != "max" else None, strict=strict, **kwargs)
         out[name] = q.amax
@@ -268,7 +275,7 @@ def calibrate_model(
     model: nn.Module,
     batches: Iterable,
     *,
-    method: str = "max",
+    method: str = "auto",
     weight_method: str = "max",
     method_overrides: Mapping[str, str] | None = None,
     num_batches: int | None = None,
@@ -285,7 +292,9 @@ def calibrate_model(
     Args:
         model: a model with TensorQuantizers (see :func:`lq.convert.quantize_model`).
         batches: an iterable of batches (a DataLoader).
-        method: activation method: max, entropy, percentile or mse.
+        method: activation method: ``auto`` (default: per layer group the one of max, percentile, mse and
+            entropy that keeps the model's output closest to float on the first calibration batches; see
+            :mod:`lq.auto_calib`), or max, entropy, percentile, mse for every layer.
         weight_method: weight method (max per channel is exact for weights).
         method_overrides: ``{layer glob: method}``.
         num_batches: stop after this many batches (None: all).
@@ -300,6 +309,9 @@ def calibrate_model(
     if not quantizers:
         return {}
     methods = methods_for(quantizers, method, weight_method, method_overrides)
+    auto = "auto" in methods.values()
+    if auto:  # the search runs the model on the first batches again
+        batches = _replayable(batches, num_batches)
     seen = collect(model, batches, quantizers, methods, num_batches=num_batches, forward=forward,
                    num_bins=num_bins, progress=progress, process_group=process_group)
     # a rank whose shard is empty still joins the reduction below (an empty contribution): deciding on the
@@ -310,4 +322,14 @@ def calibrate_model(
             "(or calib.dataloader='train'/'val' pointing at one that has data)"
         )
     sync(quantizers, process_group)
-    return load_amax(quantizers, methods, percentile=percentile, strict=strict)
+    amax = load_amax(quantizers, methods, percentile=percentile, strict=strict)
+    if auto:
+        from lq import auto_calib
+
+        selection = [b for _, b in zip(range(auto_calib.SELECTION_BATCHES), batches)]
+        chosen = auto_calib.choose(model, quantizers, methods, selection, forward, process_group)
+        if chosen:
+            logging.getLogger("lq").info("calibration method 'auto' chose: %s",
+                                         ", ".join(f"{g}: {m}" for g, m in chosen.items()))
+        amax = {name: q.amax for name, q in quantizers if name in amax}
+    return amax

@@ -23,7 +23,7 @@ from lq.tensor_quant import QuantDescriptor
 
 FORMATS = ("int", "fp8_e4m3")
 BLOCK_TYPES = ("static", "dynamic")
-CALIB_METHODS = ("max", "entropy", "percentile", "mse")
+CALIB_METHODS = ("auto", "max", "entropy", "percentile", "mse")
 CALIB_DATALOADERS = ("train", "val")
 LR_POLICIES = ("none", "cosine")
 EXPORTERS = ("dynamo", "legacy")
@@ -255,7 +255,9 @@ class CalibConfig:
 
     Attributes:
         enabled: run calibration (skipped anyway when a restored checkpoint holds amax).
-        method: ``max``, ``entropy`` (TensorRT's KL), ``percentile`` or ``mse``.
+        method: ``auto`` (per layer group, whichever of max / percentile / mse / entropy keeps the model's
+            output closest to float on the first calibration batches), or ``max``, ``entropy`` (TensorRT's
+            KL), ``percentile`` or ``mse`` for every layer.
         num_batches: batches of the calibration dataloader to collect.
         dataloader: ``train`` or ``val``: which of the datamodule's loaders calibrates.
         percentile: for ``method="percentile"``.
@@ -266,7 +268,7 @@ class CalibConfig:
     """
 
     enabled: bool = True
-    method: str = "max"
+    method: str = "auto"
     num_batches: int = 16
     dataloader: str = "train"
     percentile: float = 99.99
@@ -278,7 +280,7 @@ class CalibConfig:
     def __post_init__(self):
         owner = type(self).__name__
         _choice(owner, "method", self.method, CALIB_METHODS)
-        _choice(owner, "weight_method", self.weight_method, CALIB_METHODS)
+        _choice(owner, "weight_method", self.weight_method, tuple(m for m in CALIB_METHODS if m != "auto"))
         _choice(owner, "dataloader", self.dataloader, CALIB_DATALOADERS)
         if isinstance(self.num_batches, bool) or not isinstance(self.num_batches, int) or self.num_batches < 1:
             raise ValueError(f"{owner}.num_batches={self.num_batches!r} is not allowed: expected an int >= 1")

@@ -45,6 +45,7 @@ MINILM_ROWS = [
     "W8A8 PTQ percentile 99.99",
     "W8A8 PTQ percentile 99.999",
     "W8A8 PTQ mse",
+    "W8A8 PTQ default (method auto)",
     "W8A8 PTQ per-layer-type method (searched)",
 ]
 
@@ -142,6 +143,7 @@ def test_accuracy_fast_minilm(runs):
     assert r["FP32"]["mean_cos"] == pytest.approx(1.0, abs=1e-5)
     assert r["lq weight-only INT8 (per-channel)"]["mean_cos"] > 0.995
     assert r["W8A8 PTQ max"]["mean_cos"] > 0.9  # far below would mean a bug (DATA.md)
+    assert r["W8A8 PTQ default (method auto)"]["mean_cos"] > 0.9
     best = max(v["mean_cos"] for k, v in r.items() if k.startswith("W8A8 PTQ"))
     assert best > r["torch.ao dynamic INT8 (reference)"]["mean_cos"]
     assert len(m["quantized_layers"]) == 36  # 6 layers x (q, k, v, attn out, FFN up, FFN down)

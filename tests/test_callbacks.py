@@ -60,7 +60,7 @@ def test_first_input_amax_is_the_data_max(tmp_path, dm):
 
 def test_swap_before_optimizers_learned_amax_trains(tmp_path, dm):
     model = _model()
-    cb = _no_export(qat=QATConfig(learn_amax=True), calib=CalibConfig(num_batches=2))
+    cb = _no_export(qat=QATConfig(learn_amax=True), calib=CalibConfig(method="max", num_batches=2))
     seen = {}
 
     class Spy(L.Callback):
@@ -540,3 +540,14 @@ def test_export_into_an_unwritable_place_keeps_the_weights_and_leaves_no_partial
     assert not list(tmp_path.glob("**/*.onnx")) and not list(tmp_path.glob("**/.lq-export-*"))
     saved = torch.load(tmp_path / "lq_before_export.ckpt", weights_only=True)
     assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("empty_rank", [-1, 1])
+def test_ddp_auto_calibration_takes_the_same_decisions_on_every_rank(tmp_path, empty_rank):
+    """method='auto' compares the model on each rank's own batches: the metric is averaged over the ranks
+    before every decision, so the chosen amax are bitwise equal (and a rank without batches does not hang)."""
+    torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path), empty_rank, "auto"), nprocs=2,
+                                join=True)
+    a0 = torch.load(tmp_path / "amax0.pt")
+    a1 = torch.load(tmp_path / "amax1.pt")
+    assert a0.keys() == a1.keys() and all(torch.equal(a0[k], a1[k]) for k in a0)

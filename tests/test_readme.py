@@ -117,7 +117,7 @@ def test_bad_values_give_one_line_not_a_traceback(tmp_path):
                           "--trainer.callbacks.calib.method=kl"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 2
-    assert "lq-cli: CalibConfig.method='kl' is not allowed: choose one of ['max'" in out.stderr
+    assert "lq-cli: CalibConfig.method='kl' is not allowed: choose one of ['auto', 'max'" in out.stderr
     assert "Traceback" not in out.stderr
     exe = shutil.which("lq-train")
     launcher = [exe] if exe else [sys.executable, "-c", "from lq.cli import train; train()"]

@@ -145,7 +145,7 @@ class QuantCalibrate(L.Callback):
             q.calibrator.reset()
             q.disable_quant()
             q.enable_calib()
-        self._ptq_state = {"quantizers": quantizers, "methods": methods, "seen": 0}
+        self._ptq_state = {"quantizers": quantizers, "methods": methods, "seen": 0, "selection": []}
         rank_zero_info("lq: calibrating on this validation run (its metrics are floating point); "
                        "validate again for the quantized metrics")
 
@@ -154,6 +154,10 @@ class QuantCalibrate(L.Callback):
         if st is None:
             return
         st["seen"] += 1
+        from lq import auto_calib
+
+        if "auto" in st["methods"].values() and len(st["selection"]) < auto_calib.SELECTION_BATCHES:
+            st["selection"].append(batch)  # what method "auto" compares the model on afterwards
         if st["seen"] >= self.calib.num_batches:
             for _, q in st["quantizers"]:
                 q.disable_calib()
@@ -172,6 +176,12 @@ class QuantCalibrate(L.Callback):
         # later (QAT, a learned amax), so it is computed as ordinary tensors.
         with torch.inference_mode(False), torch.no_grad():
             self.last_amax = calibration.load_amax(st["quantizers"], st["methods"], percentile=self.calib.percentile)
+            if st["selection"]:
+                from lq import auto_calib
+
+                selection = [trainer.strategy.batch_to_device(_clone(b)) for b in st["selection"]]
+                auto_calib.choose(pl_module, st["quantizers"], st["methods"], selection, self.forward)
+                self.last_amax = {n: q.amax for n, q in st["quantizers"] if n in self.last_amax}
         self.calibrated = True
         rank_zero_info(f"lq: calibrated {len(self.last_amax)} quantizer(s) with method={self.calib.method}")
 
@@ -188,3 +198,14 @@ class QuantCalibrate(L.Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.calibrated = bool(state_dict.get("calibrated", False))
+
+
+def _clone(batch):
+    """A batch made under inference mode, as ordinary tensors (the ``auto`` search runs outside it)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_clone(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _clone(v) for k, v in batch.items()}
+    return batch
