@@ -141,7 +141,8 @@ class Graph:
     # --- output
     def finalize(self) -> onnx.ModelProto:
         self.nodes = _toposort(self.nodes, set(self.graph_inputs) | set(self.consts) | set(self._const_protos))
-        used = {i for n in self.nodes for i in n.input} | self.graph_outputs
+        # an initializer that only a loop body reads (from the enclosing scope) is used too
+        used = {i for n in self.nodes for i in n.input} | self.graph_outputs | _names_inside(self.nodes)
         del self.g.node[:]
         self.g.node.extend(self.nodes)
         inits = []

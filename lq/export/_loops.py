@@ -154,11 +154,11 @@ def _lstm_scan(g: Graph, n: onnx.NodeProto, copied: set[int]) -> onnx.NodeProto:
         (h_out,) = body.op("Gemm", [h_out, pull(w_hr)], transB=1)
     (y_t,) = body.op("Identity", [h_out])  # a value is one body output only: the scan output is a copy
 
-    def value(name):
-        return helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+    def value(name, width=None):  # (batch, features): onnxruntime needs the rank of a loop body's values
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [None, width])
 
-    graph = helper.make_graph(body.nodes, body.stem, [value(h_in), value(c_in), value(x_in)],
-                              [value(h_out), value(c_out), value(y_t)], body.inits)
+    graph = helper.make_graph(body.nodes, body.stem, [value(h_in), value(c_in, hidden), value(x_in, 4 * hidden)],
+                              [value(h_out), value(c_out, hidden), value(y_t)], body.inits)
     y, h_n, c_n = (list(n.output) + ["", "", ""])[:3]
     scan = g.make_node("Scan", [h0, c0, xw], [h_n or g.fresh("h_n"), c_n or g.fresh("c_n"), y], hint=f"{layer}/Scan",
                        like=n, body=graph, num_scan_inputs=1, scan_input_directions=[reverse],
