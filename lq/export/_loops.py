@@ -35,9 +35,9 @@ from lq.export._symbolic import DOMAIN
 def rewrite_bodies(g: Graph, rewrite: Callable[[Graph], None]) -> None:
     """Run ``rewrite`` (the export's passes) on every subgraph of ``g``'s nodes, in place.
 
-    A body refers only to its own inputs and initializers (:func:`lower_recurrent` copies what it reads), so
-    each pass sees a complete graph. Names created in a body avoid every name of the enclosing graph: ONNX
-    does not let a subgraph shadow an outer value."""
+    A body written by :func:`lower_recurrent` refers only to its own inputs and initializers (it copies what
+    it reads), so each pass sees a complete graph. Names created in a body avoid every name of the enclosing
+    graph: a subgraph must not shadow an outer value."""
     for n in g.nodes:
         for a in n.attribute:
             if a.type != AttributeProto.GRAPH:
