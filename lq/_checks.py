@@ -19,11 +19,14 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_BITS, MAX_BITS = 2, 16
 
 
-def check_input(x, what: str = "inputs") -> None:
+def check_input(x, what: str = "inputs", allow_float64: bool = False) -> None:
+    """``allow_float64``: the integer quantization functions also take float64 (computed by the reference
+    arithmetic in float64, as the reference toolkit does); the other ops take what the kernels take."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{what} must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.dtype not in FLOAT_DTYPES and not (allow_float64 and x.dtype == torch.float64):
+        allowed = "float32, float16, bfloat16 or float64" if allow_float64 else "float32, float16 or bfloat16"
+        raise TypeError(f"{what} must be {allowed}, got {x.dtype}")
 
 
 def check_num_bits(num_bits, unsigned: bool = False) -> None:
@@ -66,13 +69,27 @@ def check_amax_values(amax: torch.Tensor, what: str = "amax") -> None:
         raise ValueError(f"{what} must be >= 0, got min {float(amax.min())}")
 
 
+class UnsignedInputError(ValueError, TypeError):
+    """Negative input to unsigned quantization (a ValueError; also the reference toolkit's TypeError)."""
+
+
+def eager(x: torch.Tensor) -> bool:
+    """True when ``x`` holds real data in plain eager execution (not traced, compiled or exported), where a
+    check may look at the values without putting a data-dependent branch into a graph."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    compiler = torch.compiler
+    tracing = compiler.is_compiling() or (hasattr(compiler, "is_exporting") and compiler.is_exporting())
+    return not tracing and not isinstance(x, FakeTensor) and not torch.jit.is_tracing()
+
+
 def check_unsigned_input(x: torch.Tensor, unsigned: bool) -> None:
     if not unsigned or x.numel() == 0:
         return
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     if bool((x < 0).any()):
-        raise ValueError(
+        raise UnsignedInputError(
             "Negative values encountered in unsigned quantization: inputs must be >= 0 "
             "when unsigned=True (use signed quantization for data that can be negative)"
         )

@@ -8,6 +8,8 @@ are what the ops run where the extension cannot be built (or where
 Every function here computes exactly what its kernel computes, in the same
 order of floating point operations (all arithmetic in float32, the result
 cast back to the input dtype), so that "bit for bit" is a meaningful test.
+float64 inputs, which the compiled kernels do not take, are computed here in
+float64 (``compute_dtype``), as the reference toolkit does.
 
 Argument checks live in :mod:`lq._checks` and are called by the op layer,
 not here, so the reference stays a plain description of the arithmetic.
@@ -47,9 +49,14 @@ def _fit(amax: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return amax.reshape(()) if amax.dim() > x.dim() and amax.numel() == 1 else amax
 
 
-def quant_scale(amax: torch.Tensor, num_bits: int, unsigned: bool) -> torch.Tensor:
-    """``max_bound / amax`` in float32, and 0 where ``amax <= AMAX_EPSILON``."""
-    amax = amax.float()
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 for float64 inputs, float32 for everything else (float16 and bfloat16 never overflow there)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def quant_scale(amax: torch.Tensor, num_bits: int, unsigned: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``max_bound / amax`` in float32 (float64 for float64 inputs), and 0 where ``amax <= AMAX_EPSILON``."""
+    amax = amax.to(dtype)
     _, max_bound = int_bounds(num_bits, unsigned, True)
     scale = max_bound / amax
     return torch.where(amax <= AMAX_EPSILON, torch.zeros_like(scale), scale)
@@ -58,7 +65,7 @@ def quant_scale(amax: torch.Tensor, num_bits: int, unsigned: bool) -> torch.Tens
 def _quantize(x: torch.Tensor, scale: torch.Tensor, num_bits: int, unsigned: bool, narrow_range: bool):
     min_bound, max_bound = int_bounds(num_bits, unsigned, narrow_range)
     # torch.round is round-half-to-even; clamp keeps NaN as NaN.
-    return torch.clamp(torch.round(x.float() * scale), min_bound, max_bound)
+    return torch.clamp(torch.round(x.to(scale.dtype) * scale), min_bound, max_bound)
 
 
 def fake_quant(x, amax, num_bits: int = 8, unsigned: bool = False, narrow_range: bool = True):
@@ -67,7 +74,7 @@ def fake_quant(x, amax, num_bits: int = 8, unsigned: bool = False, narrow_range:
     ``amax`` broadcasts against ``x`` (a scalar for per-tensor, size-1 dims
     elsewhere for per-channel). Where ``amax <= 2^-24`` the output is 0.
     """
-    scale = quant_scale(_fit(amax, x), num_bits, unsigned)
+    scale = quant_scale(_fit(amax, x), num_bits, unsigned, compute_dtype(x))
     q = _quantize(x, scale, num_bits, unsigned, narrow_range)
     out = torch.where(scale == 0, torch.zeros_like(q), q / scale)
     return out.to(x.dtype)
@@ -85,10 +92,10 @@ def quant(x, amax, num_bits: int = 8, unsigned: bool = False, narrow_range: bool
     ``outputs / scale`` dequantizes. Where ``amax <= 2^-24`` the outputs are 0
     and the returned scale is 1 (any scale dequantizes 0 to 0).
     """
-    scale = quant_scale(amax, num_bits, unsigned)
+    scale = quant_scale(amax, num_bits, unsigned, compute_dtype(x))
     q = _quantize(x, _fit(scale, x), num_bits, unsigned, narrow_range)
     scale_out = torch.where(scale == 0, torch.ones_like(scale), scale)
-    return q.to(x.dtype), scale_out
+    return q.to(x.dtype), scale_out.float()
 
 
 def affine_params(min_range, max_range, num_bits: int):

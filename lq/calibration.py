@@ -58,9 +58,13 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
 
 
 def is_weight_quantizer(name: str) -> bool:
-    """Weight quantizers are named ``*weight*quantizer`` (``_weight_quantizer``, ``_weight_hh_quantizer``,
-    ``_in_proj_weight_quantizer`` ...)."""
-    last = name.rsplit(".", 1)[-1]
+    """Weight quantizers are named ``*weight*quantizer`` (``_weight_quantizer``, ``_in_proj_weight_quantizer``
+    ...), or are items of a list named ``*weight*quantizers`` (QuantLSTM's ``_weight_quantizers.0``)."""
+    parts = name.split(".")
+    last = parts[-1]
+    if last.isdigit() and len(parts) > 1:
+        last = parts[-2]
+        return "weight" in last and last.endswith("quantizers")
     return "weight" in last and last.endswith("quantizer")
 
 
@@ -95,8 +99,10 @@ def select_quantizers(model: nn.Module, include_calibrated: bool = True) -> list
 def methods_for(quantizers, method: str, weight_method: str = "max", overrides: Mapping[str, str] | None = None):
     """``{name: method}``: inputs use ``method``, weights ``weight_method``, then glob overrides."""
     out = {}
-    for name, _ in quantizers:
+    for name, q in quantizers:
         m = weight_method if is_weight_quantizer(name) else method
+        if m == "auto" and getattr(q, "is_fp8", False):
+            m = "max"  # the histogram methods are for integer grids; FP8 takes its max
         layer = name.rsplit(".", 1)[0]
         for glob, o in (overrides or {}).items():
             if fnmatch.fnmatchcase(layer, glob) or fnmatch.fnmatchcase(name, glob):

@@ -14,6 +14,7 @@ import copy
 import numbers
 from typing import Any
 
+import numpy as np
 import torch
 
 from lq import _checks, _ops, _reference  # noqa: F401  (_ops registers torch.ops.lq)
@@ -54,6 +55,10 @@ def _check_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
     return value
+
+
+class DescriptorArgumentError(ValueError, TypeError):
+    """Descriptor arguments that do not go together (a ValueError; the reference toolkit raises TypeError)."""
 
 
 class FloatFormatError(ValueError, TypeError):
@@ -129,7 +134,7 @@ def _norm_amax(amax):
         amax = _nested_floats(amax)
         vals = _flatten(amax)
     else:
-        raise TypeError(f"amax must be None, a float or a list of floats, got {type(amax).__name__}")
+        raise TypeError(f"amax must be float, list or ndarray (or None), got {type(amax).__name__}")
     for v in vals:
         if not (v >= 0 and v != float("inf")):
             raise ValueError(f"amax must be finite and >= 0, got {v}")
@@ -207,7 +212,8 @@ class ScaledQuantDescriptor:
         self._amax = _norm_amax(kwargs.get("amax"))
         self._learn_amax = _check_bool("learn_amax", kwargs.get("learn_amax", False))
         if self._learn_amax and self._axis is not None:
-            raise ValueError("learn_amax=True supports per-tensor amax only: set axis=None")
+            raise DescriptorArgumentError("learn_amax=True supports per-tensor amax only: axis is ignored and must "
+                                          "be None")
         scale_amax = kwargs.get("scale_amax")
         if scale_amax is not None:
             if isinstance(scale_amax, bool) or not isinstance(scale_amax, numbers.Real) or not scale_amax > 0:
@@ -231,7 +237,8 @@ class ScaledQuantDescriptor:
     fake_quant = property(lambda self: self._fake_quant)
     axis = property(lambda self: self._axis, doc="Axes that keep their own amax (None: per-tensor).")
     block_sizes = property(lambda self: copy.deepcopy(self._block_sizes))
-    amax = property(lambda self: copy.deepcopy(self._amax))
+    amax = property(lambda self: None if self._amax is None else np.array(self._amax, dtype=np.float32),
+                    doc="amax as a float32 numpy array (a 0-d array for one value), or None.")
     learn_amax = property(lambda self: self._learn_amax)
     scale_amax = property(lambda self: self._scale_amax)
     calib_method = property(lambda self: self._calib_method)
@@ -333,9 +340,11 @@ def _as_amax(amax, inputs: torch.Tensor, what: str = "amax") -> torch.Tensor:
 
 
 def _prepare(inputs, amax, num_bits, unsigned):
-    _checks.check_input(inputs)
+    _checks.check_input(inputs, allow_float64=True)
     _checks.check_num_bits(num_bits, unsigned)
     _check_bool("unsigned", unsigned)
+    if unsigned and _checks.eager(inputs):  # in eager mode the error is UnsignedInputError on every device
+        _checks.check_unsigned_input(inputs, True)
     return _as_amax(amax, inputs)
 
 
@@ -343,15 +352,37 @@ def tensor_quant(inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
     """Quantize ``inputs`` to integers (kept in the input dtype); return ``(outputs, scale)``.
 
     ``scale = max_bound / amax`` (float32, amax's shape); ``outputs / scale``
-    dequantizes. Rounding is half to even; gradients are the clipped STE.
+    dequantizes. Rounding is half to even; gradients are the clipped STE, for the input only (amax gets
+    none, as in the reference toolkit; a learned amax is :class:`lq.nn.TensorQuantizer`'s job).
     """
+    return _tensor_quant(inputs, _detached(amax), num_bits, unsigned, narrow_range)
+
+
+def _detached(amax):
+    return amax.detach() if isinstance(amax, torch.Tensor) else amax
+
+
+def _tensor_quant(inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
+    """:func:`tensor_quant` with the PACT gradient for amax (what a learned amax trains with)."""
     amax = _prepare(inputs, amax, num_bits, unsigned)
+    if inputs.dtype == torch.float64:
+        return _Float64Quant.apply(inputs, amax, num_bits, unsigned, narrow_range, False)
     return torch.ops.lq.quant(inputs, amax, num_bits, unsigned, narrow_range)
 
 
 def fake_tensor_quant(inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
-    """Quantize and dequantize ``inputs`` (same dtype and shape); amax broadcasts."""
+    """Quantize and dequantize ``inputs`` (same dtype and shape); amax broadcasts. The gradient is the clipped
+    STE for the input; amax gets none, as in the reference toolkit (an amax computed from the input, e.g.
+    ``x.abs().max()``, would otherwise send gradient back into the input)."""
+    return _fake_tensor_quant(inputs, _detached(amax), num_bits, unsigned, narrow_range)
+
+
+def _fake_tensor_quant(inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
+    """:func:`fake_tensor_quant` with the PACT gradient for amax: what :class:`lq.nn.TensorQuantizer`'s learned
+    amax trains with (``sign(x)`` summed where ``|x| > amax``)."""
     amax = _prepare(inputs, amax, num_bits, unsigned)
+    if inputs.dtype == torch.float64:
+        return _Float64Quant.apply(inputs, amax, num_bits, unsigned, narrow_range, True)
     return torch.ops.lq.fake_quant(inputs, amax, num_bits, unsigned, narrow_range)
 
 
@@ -373,11 +404,16 @@ def fake_affine_tensor_quant(inputs, min_range, max_range, num_bits=8):
     return torch.ops.lq.fake_affine_quant(inputs, lo, hi, num_bits)
 
 
+E4M3_MAX = 448.0  # largest finite E4M3 value
+
+
 def scaled_e4m3(inputs, amax, E=4, M=3):
     """FP8 E4M3 fake quantization: scale by ``448 / amax``, round to E4M3 (half to even,
     saturating at ±448, subnormals kept), scale back."""
     _checks.check_input(inputs)
     _checks.check_e4m3(E, M)
+    if amax is None:  # no scaling: round to the E4M3 grid as is (scale 448 / 448)
+        amax = E4M3_MAX
     return torch.ops.lq.scaled_e4m3(inputs, _as_amax(amax, inputs))
 
 
@@ -470,6 +506,41 @@ def fake_block_quant(inputs, block_sizes: dict, num_bits=8, amax=None, unsigned=
 
 
 # =========================================================================== autograd.Function spellings
+def _reference_quant(inputs, amax, num_bits, unsigned, narrow_range):
+    _checks.check_amax_values(amax)
+    _checks.check_unsigned_input(inputs, unsigned)
+    return _reference.quant(inputs, amax, num_bits, unsigned, narrow_range)
+
+
+def _reference_fake_quant(inputs, amax, num_bits, unsigned, narrow_range):
+    _checks.check_amax_values(amax)
+    _checks.check_unsigned_input(inputs, unsigned)
+    return _reference.fake_quant(inputs, amax, num_bits, unsigned, narrow_range)
+
+
+class _Float64Quant(torch.autograd.Function):
+    """float64 inputs (the compiled kernels take float32/16/bf16): the reference arithmetic, in float64, with
+    the op's gradients (clipped STE for the input, the PACT gradient for amax)."""
+
+    @staticmethod
+    def forward(ctx, inputs, amax, num_bits, unsigned, narrow_range, fake):
+        ctx.save_for_backward(inputs, amax)
+        if fake:
+            return _reference_fake_quant(inputs, amax, num_bits, unsigned, narrow_range)
+        outputs, scale = _reference_quant(inputs, amax, num_bits, unsigned, narrow_range)
+        ctx.mark_non_differentiable(scale)
+        return outputs, scale
+
+    @staticmethod
+    def backward(ctx, grad, *unused):
+        from lq._ops import clip_amax_grad
+
+        inputs, amax = ctx.saved_tensors
+        grad_amax = clip_amax_grad(grad, inputs, amax) if ctx.needs_input_grad[1] else None
+        return _reference.fake_quant_backward(grad, inputs, amax), grad_amax, None, None, None, None
+
+
+
 class TensorQuantFunction(torch.autograd.Function):
     """A universal tensor quantization function: returns ``(outputs, scale)``.
 
@@ -481,7 +552,8 @@ class TensorQuantFunction(torch.autograd.Function):
     def forward(ctx, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
         amax = _prepare(inputs, amax, num_bits, unsigned)
         ctx.save_for_backward(inputs, amax)
-        outputs, scale = torch.ops.lq.quant(inputs, amax, num_bits, unsigned, narrow_range)
+        quant = _reference_quant if inputs.dtype == torch.float64 else torch.ops.lq.quant
+        outputs, scale = quant(inputs, amax, num_bits, unsigned, narrow_range)
         ctx.mark_non_differentiable(scale)
         return outputs, scale
 
@@ -498,7 +570,8 @@ class FakeTensorQuantFunction(torch.autograd.Function):
     def forward(ctx, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
         amax = _prepare(inputs, amax, num_bits, unsigned)
         ctx.save_for_backward(inputs, amax)
-        return torch.ops.lq.fake_quant(inputs, amax, num_bits, unsigned, narrow_range)
+        fake = _reference_fake_quant if inputs.dtype == torch.float64 else torch.ops.lq.fake_quant
+        return fake(inputs, amax, num_bits, unsigned, narrow_range)
 
     @staticmethod
     def backward(ctx, grad_outputs):
@@ -544,10 +617,14 @@ class ScaledE4M3Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inputs, amax, E=4, M=3):
         out = scaled_e4m3(inputs, amax, E, M)
-        ctx.save_for_backward(inputs, _as_amax(amax, inputs))
+        ctx.save_for_backward(inputs, _as_amax(E4M3_MAX if amax is None else amax, inputs))
         return out
 
     @staticmethod
     def backward(ctx, grad_outputs):
         inputs, amax = ctx.saved_tensors
         return torch.ops.lq.fake_quant_backward(grad_outputs, inputs, amax), None, None, None
+
+
+#: the reference toolkit's name for the plain-PyTorch fake quantization (no compiled kernel)
+legacy_fake_tensor_quant = LegacyFakeTensorQuantFunction.apply

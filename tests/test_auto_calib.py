@@ -121,3 +121,17 @@ def test_auto_falls_back_to_max_when_the_output_is_not_a_tensor():
     with pytest.warns(RuntimeWarning, match="'auto' fell back to 'max'"):
         calibrate_model(m, batches, method="auto")
     assert float(m.fc._input_quantizer.amax) == pytest.approx(float(torch.cat(batches).abs().max()))
+
+
+def test_lstm_weight_quantizer_lists_calibrate_as_weights():
+    """QuantLSTM keeps its weight quantizers in a list: they take weight_method, not the activation method."""
+    from lq.calibration import is_weight_quantizer, methods_for
+
+    assert is_weight_quantizer("rnn._weight_quantizers.0") and is_weight_quantizer("fc._weight_quantizer")
+    assert not is_weight_quantizer("rnn._input_quantizers.1") and not is_weight_quantizer("fc._input_quantizer")
+    lstm = nn.LSTM(4, 8, num_layers=2)
+    quantize_model(lstm := nn.Sequential(lstm))
+    qs = [(n, m) for n, m in lstm.named_modules() if isinstance(m, TensorQuantizer)]
+    methods = methods_for(qs, "auto")
+    assert {m for n, m in methods.items() if "_weight_quantizers" in n} == {"max"}
+    assert {m for n, m in methods.items() if "_input_quantizers" in n} == {"auto"}

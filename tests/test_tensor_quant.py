@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,14 +76,69 @@ def test_ste_gradient_inclusive_boundary():
 
 
 def test_learned_amax_gets_pact_gradient():
+    """The quantizer's path (a learned amax) gets sign(x) summed where |x| > amax."""
     x = torch.tensor([-3.0, -0.5, 0.2, 2.0, 4.0])
     amax = torch.tensor(1.0, requires_grad=True)
-    tq.fake_tensor_quant(x, amax).sum().backward()
+    tq._fake_tensor_quant(x, amax).sum().backward()
     # sign(x) summed where |x| > amax: -1 + 1 + 1
     assert amax.grad.item() == 1.0
     amax_c = torch.tensor([[1.0], [5.0]], requires_grad=True)
-    tq.fake_tensor_quant(torch.stack([x, x]), amax_c).sum().backward()
+    tq._fake_tensor_quant(torch.stack([x, x]), amax_c).sum().backward()
     assert amax_c.grad.flatten().tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("fn", [tq.fake_tensor_quant, lambda x, a: tq.tensor_quant(x, a)[0]])
+def test_public_functions_give_amax_no_gradient(fn):
+    """As in the reference toolkit: an amax computed from the input must not send gradient back into it,
+    so the input's gradient is exactly the clipped STE."""
+    x = torch.randn(3, 7, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    amax = x.abs().max() / 2
+    ((fn(x, amax) - 0.5) ** 2).sum().backward()
+    inside = (x.detach().abs() <= amax.detach())
+    assert torch.equal(x.grad != 0, inside)
+
+
+def test_float64_inputs_are_quantized_in_float64():
+    """float64 runs the reference arithmetic in float64 (the reference toolkit's result), gradients included."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    amax = torch.tensor(2.0, dtype=torch.float64)
+    out = tq.fake_tensor_quant(x, amax)
+    scale = 127.0 / 2.0
+    want = torch.clamp(torch.round(x.detach() * scale), -127, 127) / scale  # written out, in float64
+    assert out.dtype == torch.float64 and torch.equal(out.detach(), want)
+    out.sum().backward()
+    assert torch.equal(x.grad, (x.detach().abs() <= 2.0).double())
+    q, s = tq.tensor_quant(x.detach(), amax)
+    assert torch.equal(q, torch.clamp(torch.round(x.detach() * scale), -127, 127)) and s.dtype == torch.float32
+
+
+def test_negative_unsigned_input_is_both_value_and_type_error():
+    x = torch.tensor([-1.0, 2.0])
+    for fn in (tq.fake_tensor_quant, tq.tensor_quant):
+        with pytest.raises(ValueError, match="Negative values encountered"):
+            fn(x, torch.tensor(2.0), 8, True)
+        with pytest.raises(TypeError, match="Negative values encountered"):
+            fn(x, torch.tensor(2.0), 8, True)
+
+
+def test_scaled_e4m3_without_amax_rounds_unscaled():
+    x = torch.tensor([0.1, 1.1, 3.3, 500.0, -1000.0])
+    want = x.to(torch.float8_e4m3fn).float().clamp(-448, 448)
+    assert torch.equal(tq.scaled_e4m3(x, None), want)
+
+
+def test_descriptor_amax_is_a_float32_array():
+    import numpy as np
+
+    d = tq.QuantDescriptor(amax=[1.3, 1.4])
+    assert isinstance(d.amax, np.ndarray) and d.amax.dtype == np.float32
+    np.testing.assert_array_equal(d.amax, np.float32([1.3, 1.4]))
+    assert tq.QuantDescriptor(amax=d.amax) == d and tq.QuantDescriptor().amax is None
+    with pytest.raises(TypeError, match="axis is ignored and must be None"):
+        tq.QuantDescriptor(axis=(1,), amax=0.7, learn_amax=True)
+    with pytest.raises(ValueError, match="axis is ignored and must be None"):
+        tq.QuantDescriptor(axis=(1,), amax=0.7, learn_amax=True)
 
 
 def test_autograd_function_classes_match_functions():
@@ -184,7 +240,11 @@ def test_descriptor_round_trips(kwargs):
     back = QuantDescriptor.from_yaml(d.to_yaml())
     assert back == d and back.dict() == d.dict()
     for k, v in kwargs.items():
-        assert getattr(d, k) == v, k
+        got = getattr(d, k)
+        if k == "amax":  # a float32 numpy array, as in the reference toolkit
+            np.testing.assert_array_equal(got, np.float32(v))
+        else:
+            assert got == v, k
 
 
 def test_narrow_range_survives_yaml():

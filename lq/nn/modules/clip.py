@@ -14,24 +14,17 @@ import numbers
 import torch
 from torch import nn
 
+from lq.nn.functional import clip
+
 __all__ = ["Clip", "clip"]
 
 
-def clip(inputs: torch.Tensor, min_value, max_value) -> torch.Tensor:
-    """Clamp ``inputs`` to ``[min_value, max_value]`` (numbers or tensors); tensor bounds get gradients."""
-    lo = min_value if isinstance(min_value, torch.Tensor) else torch.tensor(float(min_value), device=inputs.device)
-    hi = max_value if isinstance(max_value, torch.Tensor) else torch.tensor(float(max_value), device=inputs.device)
-    return torch.clamp(inputs, lo.to(inputs.dtype), hi.to(inputs.dtype))
-
-
 def _scalar(value, what: str) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{what} must be a scalar to initialize a learnable bound, got shape {tuple(value.shape)}")
+    """A learnable bound starts from a plain number (as in the reference toolkit: a tensor is refused)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, torch.Tensor)):
         return float(value)
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
-    raise TypeError(f"{what} must be a number or a scalar tensor, got {type(value).__name__}")
+    raise ValueError(f"{what} must be scalar (a Python number) to initialize a learnable bound, "
+                     f"got {type(value).__name__}")
 
 
 class Clip(nn.Module):

@@ -551,12 +551,13 @@ class TensorQuantizer(nn.Module):
                 amax = amax.detach()
         else:
             dims = self._reduce_dims(inputs)
+            ct = _reference.compute_dtype(inputs)  # float64 inputs keep a float64 amax
             if dims is None:
-                amax = inputs.detach().abs().amax().float()
+                amax = inputs.detach().abs().amax().to(ct)
             elif len(dims) == 0:
-                amax = inputs.detach().abs().float()
+                amax = inputs.detach().abs().to(ct)
             else:
-                amax = inputs.detach().abs().amax(dim=dims, keepdim=True).float()
+                amax = inputs.detach().abs().amax(dim=dims, keepdim=True).to(ct)
         amax = self._broadcast_amax(amax, inputs)
         if self._scale_amax is not None:
             amax = amax * self._scale_amax
@@ -622,8 +623,8 @@ class TensorQuantizer(nn.Module):
         if self.is_fp8:
             return _tq.scaled_e4m3(inputs, amax)
         if self._fake_quant:
-            return _tq.fake_tensor_quant(inputs, amax, self._num_bits, self._unsigned, narrow_range)
-        outputs, self._scale = _tq.tensor_quant(inputs, amax, self._num_bits, self._unsigned, narrow_range)
+            return _tq._fake_tensor_quant(inputs, amax, self._num_bits, self._unsigned, narrow_range)
+        outputs, self._scale = _tq._tensor_quant(inputs, amax, self._num_bits, self._unsigned, narrow_range)
         return outputs
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
