@@ -636,3 +636,14 @@ def test_unsupported_float_format_is_value_and_type_error(num_bits):
     for exc in (ValueError, TypeError):  # TypeError as the reference toolkit raises it
         with pytest.raises(exc, match=r"takes \(4, 3\)"):
             TensorQuantizer(QuantDescriptor(num_bits=num_bits))
+
+
+def test_dynamic_amax_ignores_non_finite_values():
+    """Uninitialized or corrupted data (an Inf, a NaN) does not make a dynamic scale infinite: amax comes from
+    the finite values, the finite values quantize normally, Inf saturates and NaN stays NaN."""
+    q = TensorQuantizer(QuantDescriptor(num_bits=8))
+    x = torch.tensor([0.5, -1.0, 2.0, float("inf"), float("nan")])
+    out = q(x)
+    scale = 127 / 2.0
+    want = torch.clamp(torch.round(x[:3] * scale), -127, 127) / scale
+    assert torch.equal(out[:3], want) and out[3] == 2.0 and torch.isnan(out[4])

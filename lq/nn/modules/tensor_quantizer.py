@@ -552,12 +552,15 @@ class TensorQuantizer(nn.Module):
         else:
             dims = self._reduce_dims(inputs)
             ct = _reference.compute_dtype(inputs)  # float64 inputs keep a float64 amax
+            # over the finite values, as calibration counts them: one stray Inf/NaN in the data must not make
+            # the scale of the whole tensor infinite (it still passes through as NaN / the largest step)
+            mag = torch.nan_to_num(inputs.detach().abs(), nan=0.0, posinf=0.0)
             if dims is None:
-                amax = inputs.detach().abs().amax().to(ct)
+                amax = mag.amax().to(ct)
             elif len(dims) == 0:
-                amax = inputs.detach().abs().to(ct)
+                amax = mag.to(ct)
             else:
-                amax = inputs.detach().abs().amax(dim=dims, keepdim=True).to(ct)
+                amax = mag.amax(dim=dims, keepdim=True).to(ct)
         amax = self._broadcast_amax(amax, inputs)
         if self._scale_amax is not None:
             amax = amax * self._scale_amax
