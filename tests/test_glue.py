@@ -309,3 +309,51 @@ def test_layers_read_by_float_ops_get_output_quantizers_and_fuse(tmp_path):
     assert kernels["conv"] == "QLinearConv" and kernels["mlp.0"] in ("QGemm", "QLinearMatMul")
     dequantize_model(m)
     assert not m.conv._forward_hooks and "_output_quantizer" not in m.conv._modules
+
+
+class SDPABlock(nn.Module):
+    """Attention written with F.scaled_dot_product_attention (a causal mask, two heads)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+def test_scaled_dot_product_attention_gets_both_matmuls_quantized(tmp_path):
+    torch.manual_seed(0)
+    m = SDPABlock().eval()
+    ref = copy.deepcopy(m)
+    summary = quantize_model(m)
+    assert summary["lq_glue.attention_0"].type == "scaled_dot_product_attention"
+    assert sorted(m.lq_glue.keys()) == ["attention_0_k", "attention_0_probs", "attention_0_q", "attention_0_v"]
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():  # quantizers off: the written-out attention is PyTorch's op
+        for mod in m.modules():
+            if hasattr(mod, "disable") and hasattr(mod, "amax"):
+                mod.disable()
+        torch.testing.assert_close(m(x), ref(x), rtol=1e-5, atol=1e-6)
+        for mod in m.modules():
+            if hasattr(mod, "enable") and hasattr(mod, "amax"):
+                mod.enable()
+    calibrate_model(m, [x], method="max")
+    g = m.lq_glue
+    with torch.no_grad():  # the quantized attention, written out by hand
+        b, t, d = x.shape
+        qkv_in = m.qkv(x)
+        q, k, v = qkv_in.reshape(b, t, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        s = _fq(q, g.attention_0_q) @ _fq(k, g.attention_0_k).transpose(-2, -1) / (d // 2) ** 0.5
+        s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+        y = _fq(torch.softmax(s, -1), g.attention_0_probs) @ _fq(v, g.attention_0_v)
+        want = m.out(y.transpose(1, 2).reshape(b, t, d))
+        torch.testing.assert_close(m(x), want, rtol=0, atol=0)
+    pytest.importorskip("onnxruntime")
+    res = export_onnx(m, x, str(tmp_path / "sdpa.onnx"))
+    attention = [k for k in res.layer_kernels if k.op == "MatMul" and k.layer not in ("qkv", "out")]
+    assert len(attention) == 2 and all(k.integer for k in attention), res.layer_kernels  # q @ k^T and p @ v

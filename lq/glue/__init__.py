@@ -32,9 +32,9 @@ __all__ = ["GluePlan", "OutputSite", "plan", "GlueQuantized", "GlueQuantizer", "
 
 #: classes defined here are library code: their forwards are not rewritten
 _LIBRARY_PREFIXES = ("torch.", "lq.", "lightning.", "pytorch_lightning.", "torchmetrics.", "transformers.")
-_GLUE_TEXT = re.compile(r"\+|torch\.cat|torch\.concat|@|matmul|\bbmm\b|\.add\(")
+_GLUE_TEXT = re.compile(r"\+|torch\.cat|torch\.concat|@|matmul|\bbmm\b|\.add\(|scaled_dot_product_attention")
 
-_LABELS = {"add": "x + y", "cat": "torch.cat", "matmul": "a @ b"}
+_LABELS = {"add": "x + y", "cat": "torch.cat", "matmul": "a @ b", "attention": "scaled_dot_product_attention"}
 
 
 @dataclasses.dataclass

@@ -44,6 +44,9 @@ def glue_class(module: nn.Module, graph: fx.Graph, sites: list[Site], quantizers
     """
     for s in sites:
         names = s.quantizer_names()
+        if s.rule.kind == "attention":
+            _write_out_attention(graph, s, names)
+            continue
         with graph.inserting_before(s.node):
             for i, op in enumerate(dict.fromkeys(s.operands)):  # the same tensor twice: quantized once
                 q = graph.call_module(f"{CHILD}.{names[0 if s.rule.shared else i]}", (op,))
@@ -64,6 +67,23 @@ def glue_class(module: nn.Module, graph: fx.Graph, sites: list[Site], quantizers
             "forward": type(gm).forward, "_lq_float_class": cls, "__module__": cls.__module__,
             "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
     return _CLASSES[key]
+
+
+def _write_out_attention(graph: fx.Graph, s: Site, names: list[str]) -> None:
+    """Replace a ``scaled_dot_product_attention`` node by :func:`lq.glue._attention.quantized_sdpa` with the
+    site's four quantizers."""
+    from lq.glue._attention import quantized_sdpa
+    from lq.glue._sites import sdpa_arguments
+
+    a = sdpa_arguments(s.node)
+    with graph.inserting_before(s.node):
+        quantizers = [graph.get_attr(f"{CHILD}.{n}") for n in names]
+        new = graph.call_function(
+            quantized_sdpa, (a["query"], a["key"], a["value"], *quantizers),
+            {"attn_mask": a.get("attn_mask"), "dropout_p": a.get("dropout_p", 0.0),
+             "is_causal": a.get("is_causal", False), "scale": a.get("scale")})
+    s.node.replace_all_uses_with(new)
+    graph.erase_node(s.node)
 
 
 def _resolve(module: nn.Module, target: str):

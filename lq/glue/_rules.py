@@ -11,6 +11,8 @@ rather than a module. Runtimes keep such an op in INT8 only when its inputs are 
   semantics of :class:`lq.nn.QuantCat`.
 * ``matmul`` -> one quantizer per operand (``QLinearMatMul`` / ``MatMulInteger`` with two activation
   inputs, e.g. attention scores ``q @ k.transpose(-2, -1)`` and ``attn @ v``).
+* ``attention`` (``F.scaled_dot_product_attention``) -> written out as its two matmuls with quantizers on
+  q, k, the probabilities and v (:mod:`lq.glue._attention`).
 
 Only ops whose operands are all activations (computed from the module's inputs) count: ``x + self.pos``
 (a parameter) or ``x + 1`` stay as they are. The same table serves both runtimes: the quantizers go into
@@ -34,12 +36,16 @@ class GlueRule:
 ADD = GlueRule("add", shared=True)
 CAT = GlueRule("cat", shared=True)
 MATMUL = GlueRule("matmul", shared=False)
+#: ``F.scaled_dot_product_attention``: written out (lq.glue._attention) with a quantizer on q, k, the
+#: probabilities and v, so both of its matmuls run as integer matmuls
+ATTENTION = GlueRule("attention", shared=False)
 
 #: call_function targets
 FUNCTIONS = {
     operator.add: ADD, torch.add: ADD,
     torch.cat: CAT, torch.concat: CAT, torch.concatenate: CAT,
     operator.matmul: MATMUL, torch.matmul: MATMUL, torch.bmm: MATMUL,
+    torch.nn.functional.scaled_dot_product_attention: ATTENTION,
 }
 #: call_method targets (``x.add(y)``, ``a.matmul(b)``)
 METHODS = {"add": ADD, "matmul": MATMUL, "bmm": MATMUL}

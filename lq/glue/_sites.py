@@ -27,6 +27,8 @@ class Site:
         """One name for a shared quantizer, else one per operand (``matmul_0_a``, ``matmul_0_b``)."""
         if self.rule.shared:
             return [self.name]
+        if self.rule.kind == "attention":
+            return [f"{self.name}_{part}" for part in ("q", "k", "probs", "v")]
         return [f"{self.name}_{chr(ord('a') + i)}" for i in range(len(self.operands))]
 
 
@@ -51,7 +53,23 @@ def activations(graph: fx.Graph) -> set[fx.Node]:
     return act
 
 
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def sdpa_arguments(n: fx.Node) -> dict:
+    """The arguments of a ``scaled_dot_product_attention`` node by name."""
+    args = dict(zip(_SDPA_ARGS, n.args))
+    args.update(n.kwargs)
+    return args
+
+
 def _operands(n: fx.Node, rule: GlueRule) -> list | None:
+    if rule.kind == "attention":
+        a = sdpa_arguments(n)
+        if a.get("enable_gqa") or isinstance(a.get("dropout_p", 0.0), fx.Node) \
+                or isinstance(a.get("is_causal", False), fx.Node) or isinstance(a.get("scale"), fx.Node):
+            return None  # only Python-valued flags are written out
+        return [a.get("query"), a.get("key"), a.get("value")]
     if rule.kind == "cat":
         seq = n.args[0] if n.args else n.kwargs.get("tensors")
         return list(seq) if isinstance(seq, (list, tuple)) else None
