@@ -368,6 +368,8 @@ class ExportConfig:
             TensorRT expects).
         dynamic_spatial: make the inputs' spatial dims (H, W) dynamic as well as the batch, for fully
             convolutional models run on several sizes (image pyramids); verified on a second size.
+        dynamic_dims: more dynamic axes of every input that has them (axes >= 1), e.g. ``[1]`` for the time
+            axis of batch-first sequences (recurrent models export as loops); verified on a longer input.
     """
 
     enabled: bool = True
@@ -379,9 +381,15 @@ class ExportConfig:
     tolerance: Optional[float] = None
     target: str = "onnxruntime"
     dynamic_spatial: bool = False
+    dynamic_dims: List[int] = field(default_factory=list)
 
     def __post_init__(self):
         owner = type(self).__name__
+        if isinstance(self.dynamic_dims, str) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in self.dynamic_dims):
+            raise ValueError(f"{owner}.dynamic_dims={self.dynamic_dims!r} is not allowed: expected a list of axes >= 1 "
+                             "(dim 0 is the batch, dynamic already)")
+        self.dynamic_dims = list(self.dynamic_dims)
         _choice(owner, "exporter", self.exporter, EXPORTERS)
         _choice(owner, "target", self.target, EXPORT_TARGETS)
         if isinstance(self.opset, bool) or not isinstance(self.opset, int) or not 13 <= self.opset <= 23:

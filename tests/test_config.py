@@ -176,3 +176,32 @@ def test_typos_get_the_closest_field_and_config_errors_speak_config():
                              "quant=int8_per_tensor", "hydra.run.dir=out", "seed=3"]) == ""
     with pytest.raises(ValueError, match=r"num_bits=20 is not supported: .*or format='fp8_e4m3' for FP8"):
         C.QuantizerConfig(num_bits=20)
+
+
+def test_export_dynamic_dims_validated_and_passed_to_the_export(monkeypatch, tmp_path):
+    import lightning as L
+
+    import torch
+
+    import lq.export as lq_export
+    from lq.callbacks import QuantExport
+    from lq.config import ExportConfig
+
+    with pytest.raises(ValueError, match="dynamic_dims"):
+        ExportConfig(dynamic_dims=[0])
+    with pytest.raises(ValueError, match="dynamic_dims"):
+        ExportConfig(dynamic_dims="1")
+    seen = {}
+
+    def fake_export(model, sample, path, **kw):
+        seen.update(kw)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(lq_export, "export_onnx", fake_export)
+    cb = QuantExport(ExportConfig(dynamic_dims=[2, 3]), sample_input=lambda t, m: torch.zeros(1, 1, 8, 8))
+    from lq.zoo import SmallCNN
+
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    with pytest.raises(Exception, match="stop here"):
+        cb.run(trainer, SmallCNN())
+    assert seen["dynamic_dims"] == (2, 3)

@@ -96,6 +96,7 @@ class QuantExport(L.Callback):
             result = export_onnx(
                 pl_module, sample, path, opset=e.opset, dynamo=e.exporter == "dynamo", fold_bn=e.fold_bn,
                 verify=e.verify, tolerance=e.tolerance, target=e.target, dynamic_spatial=e.dynamic_spatial,
+                dynamic_dims=tuple(e.dynamic_dims),
             )
         except Exception as err:
             where = f" The trained weights are safe in {ckpt}." if ckpt else ""
