@@ -259,3 +259,18 @@ def test_the_users_model_is_untouched(tmp_path):
     assert not model.rnn._export_as_loop and "_export_as_loop" not in vars(model.rnn)
     with torch.no_grad():
         torch.testing.assert_close(model(x)[0], before, rtol=0, atol=0)
+
+
+def test_bench_lstm_export_fast_runs_as_the_readme_shows():
+    """``python -m bench.lstm_export`` (README) in its --fast form: every LSTM matmul integer, both lengths."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-m", "bench.lstm_export", "--fast"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("LSTM matmuls 8 of 8 integer") >= 4 and "another sequence length" in out.stdout
