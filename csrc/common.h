@@ -172,12 +172,20 @@ inline IntBounds int_bounds(int64_t num_bits, bool is_unsigned, bool narrow_rang
   return {lo, mb};
 }
 
-// The reference computes `max_bound / amax` as torch does for scalar / tensor:
-// reciprocal(amax) * max_bound (two float32 roundings), and 0 where amax <= 2^-24.
+// lq._reference.quant_scale: max_bound / amax as one float32 division (as
+// pytorch-quantization computes it), and 0 where amax <= 2^-24.
 inline float quant_scale(float amax, float max_bound) {
   if (amax <= kAmaxEpsilon) return 0.f;
+  return max_bound / amax;
+}
+
+// The scale of lq._reference.scaled_e4m3: `448.0 / amax` as torch evaluates a
+// number over a tensor, reciprocal(amax) * 448 (two float32 roundings), and 0
+// where amax <= 2^-24.
+inline float e4m3_scale(float amax) {
+  if (amax <= kAmaxEpsilon) return 0.f;
   const float r = 1.0f / amax;
-  return r * max_bound;
+  return r * kE4M3Max;
 }
 
 struct ScaleInfo {
@@ -186,7 +194,9 @@ struct ScaleInfo {
   bool all_zero = false;
 };
 
-inline ScaleInfo compute_scales(const at::Tensor& a, float max_bound) {
+// One scale per amax value: scale_of(amax) is quant_scale (with its max_bound bound) or e4m3_scale.
+template <typename ScaleOf>
+inline ScaleInfo compute_scales(const at::Tensor& a, ScaleOf scale_of) {
   ScaleInfo info;
   info.scale = at::empty_like(a);
   const float* ap = a.const_data_ptr<float>();
@@ -194,12 +204,16 @@ inline ScaleInfo compute_scales(const at::Tensor& a, float max_bound) {
   const int64_t n = a.numel();
   int64_t zeros = 0;
   for (int64_t i = 0; i < n; ++i) {
-    sp[i] = quant_scale(ap[i], max_bound);
+    sp[i] = scale_of(ap[i]);
     zeros += sp[i] == 0.f;
   }
   info.any_zero = zeros > 0;
   info.all_zero = n > 0 && zeros == n;
   return info;
+}
+
+inline ScaleInfo compute_scales(const at::Tensor& a, float max_bound) {
+  return compute_scales(a, [max_bound](float v) { return quant_scale(v, max_bound); });
 }
 
 }  // namespace lq

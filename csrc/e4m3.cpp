@@ -41,12 +41,12 @@ at::Tensor scaled_e4m3_cpu(const at::Tensor& x, const at::Tensor& amax) {
   if (single) {
     const float v = single_value(amax);
     check_amax_value(v);
-    scale = quant_scale(v, kE4M3Max);
+    scale = e4m3_scale(v);
     si.any_zero = si.all_zero = scale == 0.f;
   } else {
     a = amax_as_float(amax);
     check_amax_values(a);
-    si = compute_scales(a, kE4M3Max);
+    si = compute_scales(a, e4m3_scale);
   }
   at::Tensor out = cached_empty_like(x);
   if (x.numel() == 0) return out;

@@ -1,7 +1,7 @@
 // Integer fake quantization on CPU: lq::fake_quant, lq::fake_quant_out, lq::quant,
 // and the clipped straight-through-estimator backward lq::fake_quant_backward.
 //
-// Numerics (lq/_reference.py): s = max_bound / amax (as reciprocal(amax) * max_bound,
+// Numerics (lq/_reference.py): s = max_bound / amax (one float32 division,
 // 0 where amax <= 2^-24), q = clamp(round_half_even(x * s), min_bound, max_bound),
 // fake_quant = q / s (0 where s == 0), all in float32, cast back to x's dtype.
 #include <ATen/MemoryOverlap.h>

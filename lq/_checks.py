@@ -95,6 +95,33 @@ def check_unsigned_input(x: torch.Tensor, unsigned: bool) -> None:
         )
 
 
+#: Largest finite float16 value.
+FP16_MAX = 65504.0
+
+
+class ScaleOverflowError(ValueError):
+    """Real quantization of float16 inputs whose scale does not fit float16 (as the reference toolkit refuses)."""
+
+
+def check_fp16_scale(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """float16 inputs to real quantization: the scale ``max_bound / amax`` must be a float16 number.
+
+    lq returns the scale in float32, where it fits, but an FP16 pipeline that dequantizes with it
+    (``outputs / scale.half()``) would divide by Inf; the reference toolkit raises here, and so does lq.
+    A value check: the callers run it in eager mode only (see :func:`eager`).
+    """
+    if x.dtype != torch.float16 or scale.numel() == 0:
+        return
+    if scale.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    top = float(scale.max())
+    if top > FP16_MAX:
+        raise ScaleOverflowError(
+            f"scale is too large for FP16: max_bound / amax = {top:.6g} exceeds {FP16_MAX:g}, the largest "
+            "float16; use a larger amax (at least max_bound / 65504) or quantize float32 inputs"
+        )
+
+
 def normalize_axis(axis: int, ndim: int, what: str = "axis") -> int:
     if isinstance(axis, bool) or not isinstance(axis, int):
         raise TypeError(f"{what} must be an int, got {axis!r}")

@@ -54,11 +54,22 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def int_scale(amax: torch.Tensor, max_bound: float) -> torch.Tensor:
+    """``max_bound / amax`` as one IEEE division in amax's dtype, as pytorch-quantization's kernels and its
+    tensor-by-tensor formula compute it.
+
+    Not ``max_bound / amax`` with a Python number on the left: torch evaluates that as
+    ``amax.reciprocal() * max_bound`` (two roundings), which differs in the last bit for some amax and so
+    moves dequantized values by one ulp.
+    """
+    return torch.full_like(amax, max_bound) / amax
+
+
 def quant_scale(amax: torch.Tensor, num_bits: int, unsigned: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``max_bound / amax`` in float32 (float64 for float64 inputs), and 0 where ``amax <= AMAX_EPSILON``."""
+    """:func:`int_scale` in float32 (float64 for float64 inputs), and 0 where ``amax <= AMAX_EPSILON``."""
     amax = amax.to(dtype)
     _, max_bound = int_bounds(num_bits, unsigned, True)
-    scale = max_bound / amax
+    scale = int_scale(amax, max_bound)
     return torch.where(amax <= AMAX_EPSILON, torch.zeros_like(scale), scale)
 
 
@@ -132,7 +143,9 @@ def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
 def scaled_e4m3(x, amax):
     """FP8 E4M3 fake quantization: scale by ``448 / amax``, round to E4M3, scale back.
 
-    Where ``amax <= 2^-24`` the output is 0.
+    The scale is ``448.0 / amax`` as torch evaluates a Python number over a tensor (reciprocal, then
+    multiply), which is what pytorch-quantization's ``scaled_e4m3`` computes. Where ``amax <= 2^-24`` the
+    output is 0.
     """
     amax = _fit(amax, x).float()
     scale = E4M3_MAX / amax

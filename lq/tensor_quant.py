@@ -354,6 +354,8 @@ def tensor_quant(inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
     ``scale = max_bound / amax`` (float32, amax's shape); ``outputs / scale``
     dequantizes. Rounding is half to even; gradients are the clipped STE, for the input only (amax gets
     none, as in the reference toolkit; a learned amax is :class:`lq.nn.TensorQuantizer`'s job).
+    float16 inputs whose scale exceeds 65504 (amax too small to dequantize in FP16) raise
+    :class:`lq._checks.ScaleOverflowError` (a ValueError) in eager mode.
     """
     return _tensor_quant(inputs, _detached(amax), num_bits, unsigned, narrow_range)
 
@@ -367,7 +369,10 @@ def _tensor_quant(inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
     amax = _prepare(inputs, amax, num_bits, unsigned)
     if inputs.dtype == torch.float64:
         return _Float64Quant.apply(inputs, amax, num_bits, unsigned, narrow_range, False)
-    return torch.ops.lq.quant(inputs, amax, num_bits, unsigned, narrow_range)
+    outputs, scale = torch.ops.lq.quant(inputs, amax, num_bits, unsigned, narrow_range)
+    if _checks.eager(inputs):
+        _checks.check_fp16_scale(inputs, scale)
+    return outputs, scale
 
 
 def fake_tensor_quant(inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
@@ -554,6 +559,8 @@ class TensorQuantFunction(torch.autograd.Function):
         ctx.save_for_backward(inputs, amax)
         quant = _reference_quant if inputs.dtype == torch.float64 else torch.ops.lq.quant
         outputs, scale = quant(inputs, amax, num_bits, unsigned, narrow_range)
+        if _checks.eager(inputs):
+            _checks.check_fp16_scale(inputs, scale)
         ctx.mark_non_differentiable(scale)
         return outputs, scale
 

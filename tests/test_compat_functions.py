@@ -14,9 +14,10 @@ from lq.nn.modules.clip import Clip
 
 
 def _fq(x, amax, num_bits=8, unsigned=False):
+    """Fake quantization as the reference toolkit's kernels compute it: the scale is one float32 division."""
     bound = 2.0 ** (num_bits - 1 + int(unsigned)) - 1
     lo = 0.0 if unsigned else -bound
-    scale = bound / amax
+    scale = torch.tensor(bound) / amax
     return torch.clamp(torch.round(x * scale), lo, bound) / scale
 
 
@@ -24,14 +25,17 @@ def test_cuda_ext_functions_run_lqs_kernels():
     g = torch.Generator().manual_seed(0)
     x = torch.rand(3, 4, 5, generator=g)
     amax = x.abs().max()
-    torch.testing.assert_close(cuda_ext.fake_tensor_quant(x, amax, 7, True), _fq(x, amax, 7, True))
+    assert torch.equal(cuda_ext.fake_tensor_quant(x, amax, 7, True), _fq(x, amax, 7, True))
     per = torch.tensor([0.8, 0.9, 0.7, 0.6])
-    torch.testing.assert_close(cuda_ext.fake_tensor_quant_with_axis(x, per, 1),
-                               _fq(x, per.view(1, 4, 1)))
+    assert torch.equal(cuda_ext.fake_tensor_quant_with_axis(x, per, 1), _fq(x, per.view(1, 4, 1)))
     y = x.clone()
     out = cuda_ext.fake_tensor_quant_(y, amax)
     assert out is y
-    torch.testing.assert_close(y, _fq(x, amax))
+    assert torch.equal(y, _fq(x, amax))
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):  # in place in every dtype the functions take
+        y, a = x.to(dtype), amax.to(dtype)
+        cuda_ext.fake_tensor_quant_(y, a)
+        assert y.dtype == dtype and torch.equal(y, tensor_quant.fake_tensor_quant(x.to(dtype), a))
     tiny = torch.tensor([1.0, 1e-26, 1.0, 1.0]).view(1, 4, 1)
     assert cuda_ext.fake_tensor_quant_with_axis(x, tiny, axis=1)[:, 1].abs().sum() == 0
     with pytest.raises(ValueError, match="along axis 1"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -196,6 +197,59 @@ def test_fake_quant_tiny_and_zero_amax(ext, dtype):
     amax = torch.tensor([[0.0], [2.0]])
     assert_bitwise(OPS.fake_quant(x, amax, 8, False, True), R.fake_quant(x, amax, 8, False, True))
     assert_bitwise(OPS.quant(x, amax, 8, False, True)[1], R.quant(x, amax, 8, False, True)[1])
+
+
+# ====================================================================== the scale, written out in numpy
+def _amax_and_scales(max_bound: float, n: int = 5000, seed: int = 0):
+    """float32 amax values with ``max_bound / amax`` in one rounding (numpy) and in two (1 / amax, then times
+    max_bound: what torch makes of ``number / tensor``)."""
+    a = np.random.RandomState(seed).uniform(0.01, 10.0, n).astype(np.float32)
+    one = np.float32(max_bound) / a
+    two = (np.float32(1.0) / a) * np.float32(max_bound)
+    assert one.dtype == two.dtype == np.float32
+    assert (one != two).sum() > n // 50, "test construction: the amax values must tell the two formulas apart"
+    return a, one, two
+
+
+@pytest.mark.parametrize("num_bits,unsigned,narrow", [(8, False, True), (8, False, False), (4, False, True),
+                                                      (8, True, False), (16, True, False)])
+def test_integer_scale_is_one_float32_division(num_bits, unsigned, narrow):
+    """pytorch-quantization's scale is ``max_bound / amax`` in one IEEE division (its kernels, and its formula
+    with max_bound as a tensor); fake quantization is ``round(clip(x * s)) / s`` in float32. Written out in
+    numpy, per element, against the reference and the public API (compiled kernel or reference path)."""
+    from lq import tensor_quant as tq
+
+    max_bound = float(2 ** (num_bits - 1 + int(unsigned)) - 1)
+    lo = 0.0 if unsigned else (-max_bound if narrow else -max_bound - 1)
+    a, one, _ = _amax_and_scales(max_bound)
+    x = np.random.RandomState(1).uniform(0.0 if unsigned else -1.0, 1.0, a.size).astype(np.float32) * a * 1.2
+    want = (np.round(np.clip(x * one, lo, max_bound)) / one).astype(np.float32)
+    amax, xt = torch.from_numpy(a), torch.from_numpy(x)
+    np.testing.assert_array_equal(R.quant_scale(amax, num_bits, unsigned).numpy(), one)
+    np.testing.assert_array_equal(R.fake_quant(xt, amax, num_bits, unsigned, narrow).numpy(), want)
+    np.testing.assert_array_equal(tq.fake_tensor_quant(xt, amax, num_bits, unsigned, narrow).numpy(), want)
+    q, scale = tq.tensor_quant(xt, amax, num_bits, unsigned, narrow)
+    np.testing.assert_array_equal(scale.numpy(), one)
+    np.testing.assert_array_equal(q.numpy(), np.round(np.clip(x * one, lo, max_bound)))
+    for k in (0, 1, 2, a.size - 1):  # per tensor: the single-amax paths
+        np.testing.assert_array_equal(tq.fake_tensor_quant(xt, amax[k], num_bits, unsigned, narrow).numpy(),
+                                      (np.round(np.clip(x * one[k], lo, max_bound)) / one[k]).astype(np.float32))
+
+
+def test_e4m3_scale_is_reciprocal_times_448():
+    """pytorch-quantization's ``scaled_e4m3`` computes ``448.0 / amax`` with a Python number, which torch
+    evaluates as ``reciprocal(amax) * 448``: lq keeps that rounding for FP8 (written out in numpy; the E4M3
+    rounding itself is torch's float8 cast)."""
+    from lq import tensor_quant as tq
+
+    a, _, _ = _amax_and_scales(448.0)
+    two = (np.float32(1.0) / a) * np.float32(448.0)
+    x = np.random.RandomState(2).uniform(-1.0, 1.0, a.size).astype(np.float32) * a
+    y = torch.from_numpy(np.clip(x * two, -448.0, 448.0)).to(torch.float8_e4m3fn).float().numpy()
+    want = (y / two).astype(np.float32)
+    amax, xt = torch.from_numpy(a), torch.from_numpy(x)
+    np.testing.assert_array_equal(R.scaled_e4m3(xt, amax).numpy(), want)
+    np.testing.assert_array_equal(tq.scaled_e4m3(xt, amax).numpy(), want)
 
 
 def test_fake_quant_amax_dtypes_and_shapes(ext):

@@ -74,7 +74,7 @@ def test_freeze_parameters():
 
 def _ref_fake_quant_rows(w, amax):
     """8-bit fake quantization (full grid) written out, amax per output channel (dim 0)."""
-    s = 127.0 / amax
+    s = torch.tensor(127.0) / amax  # one division (127.0 / amax would be reciprocal(amax) * 127)
     return torch.clamp(torch.round(w * s), -128, 127) / s
 
 

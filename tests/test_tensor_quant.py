@@ -122,6 +122,32 @@ def test_negative_unsigned_input_is_both_value_and_type_error():
             fn(x, torch.tensor(2.0), 8, True)
 
 
+def test_fp16_real_quant_refuses_a_scale_above_fp16_max():
+    """tensor_quant of float16 data raises (as the reference toolkit does) when max_bound / amax is above 65504,
+    the largest float16; fake quantization, other dtypes and scales that fit are unaffected."""
+    from lq._checks import ScaleOverflowError
+
+    x = torch.randn(257, generator=torch.Generator().manual_seed(3)).half()
+    tiny = torch.tensor(1e-4).half()
+    for call in (lambda a: tq.tensor_quant(x, a, 8, False), lambda a: tq.TensorQuantFunction.apply(x, a, 8, False)):
+        with pytest.raises(ValueError, match="scale is too large for FP16") as info:
+            call(tiny)
+        assert isinstance(info.value, ScaleOverflowError)
+        assert "65504" in str(info.value)
+    with pytest.raises(ScaleOverflowError):  # one channel is enough
+        tq.tensor_quant(torch.stack([x, x]), torch.tensor([[1.0], [1e-4]]))
+    fits, too_big = torch.tensor(127.0 / 65000.0), torch.tensor(127.0 / 66000.0)
+    q, scale = tq.tensor_quant(x, fits)
+    assert q.dtype == torch.float16 and float(scale) <= 65504.0
+    with pytest.raises(ScaleOverflowError):
+        tq.tensor_quant(x, too_big)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, scale = tq.tensor_quant(x.to(dtype), tiny)
+        assert float(scale) > 65504.0 and q.dtype == dtype
+    out = tq.fake_tensor_quant(x, tiny)
+    assert out.dtype == torch.float16 and bool(torch.isfinite(out).all())
+
+
 def test_scaled_e4m3_without_amax_rounds_unscaled():
     x = torch.tensor([0.1, 1.1, 3.3, 500.0, -1000.0])
     want = x.to(torch.float8_e4m3fn).float().clamp(-448, 448)

@@ -475,7 +475,7 @@ def _ref_fake_quant(x, amax, num_bits=8, unsigned=False, narrow_range=False):
     """The fake-quantization formula written out: round(x * s) on the integer grid, then / s."""
     bound = 2 ** (num_bits - 1 + int(unsigned)) - 1
     low = 0 if unsigned else (-bound if narrow_range else -bound - 1)
-    s = bound / torch.as_tensor(amax, dtype=torch.float32)
+    s = torch.tensor(float(bound)) / torch.as_tensor(amax, dtype=torch.float32)  # one division, as the reference
     return torch.clamp(torch.round(x.float() * s), low, bound) / s
 
 

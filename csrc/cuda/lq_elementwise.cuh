@@ -134,7 +134,7 @@ struct ScaledE4M3Op {
   static constexpr int kNumIn = 1;
   static constexpr int kNumB = 1;
   using Ctx = float;
-  LQ_HD Ctx ctx(float amax, float) const { return checked_scale(amax, kE4M3Max); }
+  LQ_HD Ctx ctx(float amax, float) const { return checked_e4m3_scale(amax); }
   LQ_HD out_t apply(Ctx scale, in0_t x, in1_t) const {
     return from_float<T>(scaled_e4m3_value(to_float(x), scale));
   }

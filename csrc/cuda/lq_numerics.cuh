@@ -1,9 +1,11 @@
 // lq CUDA kernels: the per-element arithmetic of every op (no torch headers).
 //
 // Each function follows lq/_reference.py operation by operation in float32.
-// Note that the reference's ``max_bound / amax`` (a Python number divided by a
-// tensor) is evaluated by torch as ``amax.reciprocal() * max_bound``: two
-// roundings, reproduced here as rcp_rn then mul_rn.
+// The integer scale max_bound / amax is one division (div_rn), as in
+// pytorch-quantization's kernels. The reference's ``448.0 / amax`` and
+// ``num_bins / range_max`` (a Python number divided by a tensor) are evaluated
+// by torch as ``reciprocal(...) * number``: two roundings, reproduced here as
+// rcp_rn then mul_rn.
 #pragma once
 
 #include "lq_common.cuh"
@@ -34,17 +36,32 @@ struct IntGrid {
 
 // lq._reference.quant_scale: max_bound / amax, 0 where amax <= 2^-24.
 LQ_HD float quant_scale(float amax, float max_bound) {
-  const float s = mul_rn(rcp_rn(amax), max_bound);
+  const float s = div_rn(max_bound, amax);
   return amax <= kAmaxEpsilon ? 0.0f : s;
 }
 
-// The scale of an op whose amax comes from the caller. The CPU path raises on
-// a negative or non-finite amax; the CUDA path cannot look at the data without
-// a host sync, so it makes such an amax visible instead: the scale (and with it
-// every output that uses it) is NaN.
+// The scale of lq._reference.scaled_e4m3: reciprocal(amax) * 448, 0 where amax <= 2^-24.
+LQ_HD float e4m3_scale(float amax) {
+  const float s = mul_rn(rcp_rn(amax), kE4M3Max);
+  return amax <= kAmaxEpsilon ? 0.0f : s;
+}
+
+// An amax that comes from the caller: the CPU path raises on a negative or
+// non-finite amax; the CUDA path cannot look at the data without a host sync,
+// so it makes such an amax visible instead: the scale (and with it every output
+// that uses it) is NaN.
+LQ_HD bool valid_amax(float amax) {
+  return amax >= 0.0f && amax <= kFloatMax;  // false for NaN, Inf, negative
+}
+
+// quant_scale of a caller's amax (NaN for an invalid one, see valid_amax).
 LQ_HD float checked_scale(float amax, float max_bound) {
-  const bool valid = amax >= 0.0f && amax <= kFloatMax;  // false for NaN, Inf, negative
-  return valid ? quant_scale(amax, max_bound) : u2f(0x7fc00000u);
+  return valid_amax(amax) ? quant_scale(amax, max_bound) : u2f(0x7fc00000u);
+}
+
+// e4m3_scale of a caller's amax (NaN for an invalid one, see valid_amax).
+LQ_HD float checked_e4m3_scale(float amax) {
+  return valid_amax(amax) ? e4m3_scale(amax) : u2f(0x7fc00000u);
 }
 
 // round(x * scale) clamped to the grid (NaN stays NaN).

@@ -156,7 +156,7 @@ def _fake_quant_candidates(c: torch.Tensor, amax: torch.Tensor, num_bits, unsign
     if num_bits == (4, 3):
         return _reference.scaled_e4m3(c, amax) - c
     _, max_bound = _reference.int_bounds(num_bits, unsigned, True)
-    scale = max_bound / amax
+    scale = _reference.int_scale(amax, max_bound)
     q = (c * scale).round_().clamp_(-max_bound, max_bound)
     return q.div_(scale).sub_(c)
 
@@ -166,7 +166,7 @@ def _clipped_value(amax: torch.Tensor, num_bits, unsigned: bool) -> torch.Tensor
     if num_bits == (4, 3):
         return _reference.scaled_e4m3(amax * 2, amax)
     _, max_bound = _reference.int_bounds(num_bits, unsigned, True)
-    return torch.full_like(amax, max_bound) / (max_bound / amax)
+    return torch.full_like(amax, max_bound) / _reference.int_scale(amax, max_bound)
 
 
 def _mse(counts, width, num_bits=8, unsigned=False, stride=1, start_bin=128, nbins=None):
