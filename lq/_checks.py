@@ -143,6 +143,10 @@ def check_block(x: torch.Tensor, axis: int, block_size: int) -> int:
     return axis
 
 
+class FloatFormatError(ValueError, TypeError):
+    """A floating point format other than (4, 3) (a ValueError; also the reference toolkit's TypeError)."""
+
+
 def check_e4m3(E, M) -> None:
     if (E, M) != (4, 3):
-        raise ValueError(f"Only FP8 E4M3 is supported for floating point quantization: got E={E}, M={M}, allowed (4, 3)")
+        raise FloatFormatError(f"Only FP8 E4M3 is supported for floating point quantization: got E={E}, M={M}, allowed (4, 3)")

@@ -186,9 +186,10 @@ def sum_to_shape(t: torch.Tensor, shape) -> torch.Tensor:
 
 def clip_amax_grad(grad: torch.Tensor, x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """PACT-style gradient of amax: ``sign(x)`` where ``|x| > amax``, summed to amax's shape."""
-    xf = x.float()
-    outside = xf.abs() > amax.float()
-    g = torch.where(outside, grad.float() * torch.sign(xf), torch.zeros_like(xf))
+    cd = _reference.compute_dtype(x)
+    xf = x.to(cd)
+    outside = xf.abs() > amax.to(cd)
+    g = torch.where(outside, grad.to(cd) * torch.sign(xf), torch.zeros_like(xf))
     return sum_to_shape(g, amax.shape).to(amax.dtype)
 
 

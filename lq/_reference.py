@@ -93,7 +93,8 @@ def fake_quant(x, amax, num_bits: int = 8, unsigned: bool = False, narrow_range:
 
 def fake_quant_backward(grad, x, amax):
     """Straight-through estimator with clipping: ``grad`` where ``|x| <= amax`` (inclusive), else 0."""
-    inside = x.float().abs() <= _fit(amax, x).float()
+    cd = compute_dtype(x)
+    inside = x.to(cd).abs() <= _fit(amax, x).to(cd)
     return torch.where(inside, grad, torch.zeros_like(grad))
 
 
@@ -109,10 +110,10 @@ def quant(x, amax, num_bits: int = 8, unsigned: bool = False, narrow_range: bool
     return q.to(x.dtype), scale_out.float()
 
 
-def affine_params(min_range, max_range, num_bits: int):
-    """``(step_size, zero_point, min_bound, max_bound)`` of gemmlowp-style affine quantization."""
-    min_range = min_range.float()
-    max_range = max_range.float()
+def affine_params(min_range, max_range, num_bits: int, dtype: torch.dtype = torch.float32):
+    """``(step_size, zero_point, min_bound, max_bound)`` of gemmlowp-style affine quantization, in ``dtype``."""
+    min_range = min_range.to(dtype)
+    max_range = max_range.to(dtype)
     step = (max_range - min_range) / float(2**num_bits - 1)
     min_bound = -float(2 ** (num_bits - 1))
     max_bound = float(2 ** (num_bits - 1) - 1)
@@ -122,15 +123,17 @@ def affine_params(min_range, max_range, num_bits: int):
 
 def fake_affine_quant(x, min_range, max_range, num_bits: int = 8):
     """Affine fake quantization: ``(clamp(round(x / step) - zp) + zp) * step``."""
-    step, zp, min_bound, max_bound = affine_params(_fit(min_range, x), _fit(max_range, x), num_bits)
-    q = torch.clamp(torch.round(x.float() / step) - zp, min_bound, max_bound)
+    cd = compute_dtype(x)
+    step, zp, min_bound, max_bound = affine_params(_fit(min_range, x), _fit(max_range, x), num_bits, cd)
+    q = torch.clamp(torch.round(x.to(cd) / step) - zp, min_bound, max_bound)
     return ((q + zp) * step).to(x.dtype)
 
 
 def fake_affine_quant_backward(grad, x, min_range, max_range):
     """STE with clipping to ``[min_range, max_range]`` (inclusive)."""
-    xf = x.float()
-    inside = (xf >= _fit(min_range, x).float()) & (xf <= _fit(max_range, x).float())
+    cd = compute_dtype(x)
+    xf = x.to(cd)
+    inside = (xf >= _fit(min_range, x).to(cd)) & (xf <= _fit(max_range, x).to(cd))
     return torch.where(inside, grad, torch.zeros_like(grad))
 
 
@@ -145,12 +148,14 @@ def scaled_e4m3(x, amax):
 
     The scale is ``448.0 / amax`` as torch evaluates a Python number over a tensor (reciprocal, then
     multiply), which is what pytorch-quantization's ``scaled_e4m3`` computes. Where ``amax <= 2^-24`` the
-    output is 0.
+    output is 0. float64 inputs are scaled in float64 and rounded to E4M3 through float32, as the reference
+    toolkit's kernel does.
     """
-    amax = _fit(amax, x).float()
+    cd = compute_dtype(x)
+    amax = _fit(amax, x).to(cd)
     scale = E4M3_MAX / amax
     scale = torch.where(amax <= AMAX_EPSILON, torch.zeros_like(scale), scale)
-    y = round_to_e4m3(x.float() * scale)
+    y = round_to_e4m3((x.to(cd) * scale).float()).to(cd)
     out = torch.where(scale == 0, torch.zeros_like(y), y / scale)
     return out.to(x.dtype)
 
@@ -170,11 +175,12 @@ def _block_view(x: torch.Tensor, axis: int, block_size: int) -> torch.Tensor:
 
 
 def block_amax(x, axis: int, block_size: int) -> torch.Tensor:
-    """Per-block ``abs().amax()`` as float32, shaped ``(outer, n // block, 1, inner)``."""
+    """Per-block ``abs().amax()`` as float32 (float64 for float64 inputs), shaped ``(outer, n // block, 1, inner)``."""
     xb = _block_view(x, axis, block_size)
+    cd = compute_dtype(x)
     if xb.numel() == 0:
-        return torch.zeros(xb.shape[0], xb.shape[1], 1, xb.shape[3], dtype=torch.float32, device=x.device)
-    return xb.float().abs().amax(dim=2, keepdim=True)
+        return torch.zeros(xb.shape[0], xb.shape[1], 1, xb.shape[3], dtype=cd, device=x.device)
+    return xb.to(cd).abs().amax(dim=2, keepdim=True)
 
 
 def fake_dynamic_block_quant(x, axis: int, block_size: int, num_bits: int = 8, unsigned: bool = False,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from lq import _checks, tensor_quant
+from lq._float64 import ops_for
 
 __all__ = ["fake_tensor_quant", "fake_tensor_quant_", "fake_tensor_quant_with_axis", "fake_e4m3fy"]
 
@@ -22,10 +23,7 @@ def fake_tensor_quant_(inputs, amax, num_bits=8, unsigned=False, narrow_range=Tr
     """In place: ``inputs`` is overwritten with its fake-quantized values and returned."""
     amax = tensor_quant._prepare(inputs, amax, num_bits, unsigned)
     with torch.no_grad():
-        if inputs.dtype == torch.float64:
-            inputs.copy_(tensor_quant._reference_fake_quant(inputs, amax, num_bits, unsigned, narrow_range))
-        else:
-            torch.ops.lq.fake_quant_out(inputs, amax, num_bits, unsigned, narrow_range, inputs)
+        ops_for(inputs).fake_quant_out(inputs, amax, num_bits, unsigned, narrow_range, inputs)
     return inputs
 
 

@@ -3,7 +3,9 @@
 ``QuantDescriptor`` says how a tensor is quantized; the functions quantize.
 Every function calls a ``torch.ops.lq`` op (C++/CUDA kernel, or the
 pure-PyTorch reference), so they run in eager mode, under ``torch.compile``
-and under ``torch.export`` alike. The ``*Function`` classes are the
+and under ``torch.export`` alike; float64 inputs, which the kernels do not
+take, run the reference arithmetic in float64 (:mod:`lq._float64`, picked by
+``ops_for(x)``). The ``*Function`` classes are the
 ``torch.autograd.Function`` spellings of the same ops, kept for code written
 against the reference toolkit.
 """
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 from lq import _checks, _ops, _reference  # noqa: F401  (_ops registers torch.ops.lq)
+from lq._float64 import ops_for
 
 __all__ = [
     "QuantDescriptor",
@@ -61,8 +64,7 @@ class DescriptorArgumentError(ValueError, TypeError):
     """Descriptor arguments that do not go together (a ValueError; the reference toolkit raises TypeError)."""
 
 
-class FloatFormatError(ValueError, TypeError):
-    """A floating point ``num_bits`` other than (4, 3) (a ValueError; also the reference toolkit's TypeError)."""
+FloatFormatError = _checks.FloatFormatError  # a floating point num_bits other than (4, 3)
 
 
 def _norm_num_bits(num_bits, unsigned: bool = False, what: str = "num_bits"):
@@ -367,9 +369,7 @@ def _detached(amax):
 def _tensor_quant(inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
     """:func:`tensor_quant` with the PACT gradient for amax (what a learned amax trains with)."""
     amax = _prepare(inputs, amax, num_bits, unsigned)
-    if inputs.dtype == torch.float64:
-        return _Float64Quant.apply(inputs, amax, num_bits, unsigned, narrow_range, False)
-    outputs, scale = torch.ops.lq.quant(inputs, amax, num_bits, unsigned, narrow_range)
+    outputs, scale = ops_for(inputs).quant(inputs, amax, num_bits, unsigned, narrow_range)
     if _checks.eager(inputs):
         _checks.check_fp16_scale(inputs, scale)
     return outputs, scale
@@ -386,9 +386,7 @@ def _fake_tensor_quant(inputs, amax, num_bits=8, unsigned=False, narrow_range=Tr
     """:func:`fake_tensor_quant` with the PACT gradient for amax: what :class:`lq.nn.TensorQuantizer`'s learned
     amax trains with (``sign(x)`` summed where ``|x| > amax``)."""
     amax = _prepare(inputs, amax, num_bits, unsigned)
-    if inputs.dtype == torch.float64:
-        return _Float64Quant.apply(inputs, amax, num_bits, unsigned, narrow_range, True)
-    return torch.ops.lq.fake_quant(inputs, amax, num_bits, unsigned, narrow_range)
+    return ops_for(inputs).fake_quant(inputs, amax, num_bits, unsigned, narrow_range)
 
 
 def fake_affine_tensor_quant(inputs, min_range, max_range, num_bits=8):
@@ -397,16 +395,16 @@ def fake_affine_tensor_quant(inputs, min_range, max_range, num_bits=8):
     ``min_range`` and ``max_range`` are floats or scalar tensors with
     ``min_range < max_range``.
     """
-    _checks.check_input(inputs)
+    _checks.check_input(inputs, allow_float64=True)
     _checks.check_num_bits(num_bits)
     lo = _as_amax(min_range, inputs, "min_range")
     hi = _as_amax(max_range, inputs, "max_range")
     if lo.numel() != 1 or hi.numel() != 1:
         raise ValueError("fake_affine_tensor_quant is per tensor: min_range and max_range must be scalars")
-    if lo.device.type == "cpu" and hi.device.type == "cpu" and not torch.compiler.is_compiling():
+    if lo.device.type == "cpu" and hi.device.type == "cpu" and _checks.eager(lo) and _checks.eager(hi):
         if not float(lo) < float(hi):
             raise ValueError(f"min_range must be < max_range, got min_range={float(lo)}, max_range={float(hi)}")
-    return torch.ops.lq.fake_affine_quant(inputs, lo, hi, num_bits)
+    return ops_for(inputs).fake_affine_quant(inputs, lo, hi, num_bits)
 
 
 E4M3_MAX = 448.0  # largest finite E4M3 value
@@ -415,11 +413,11 @@ E4M3_MAX = 448.0  # largest finite E4M3 value
 def scaled_e4m3(inputs, amax, E=4, M=3):
     """FP8 E4M3 fake quantization: scale by ``448 / amax``, round to E4M3 (half to even,
     saturating at ±448, subnormals kept), scale back."""
-    _checks.check_input(inputs)
+    _checks.check_input(inputs, allow_float64=True)
     _checks.check_e4m3(E, M)
     if amax is None:  # no scaling: round to the E4M3 grid as is (scale 448 / 448)
         amax = E4M3_MAX
-    return torch.ops.lq.scaled_e4m3(inputs, _as_amax(amax, inputs))
+    return ops_for(inputs).scaled_e4m3(inputs, _as_amax(amax, inputs))
 
 
 def _block_items(block_sizes: dict, ndim: int) -> list[tuple[int, int]]:
@@ -443,13 +441,14 @@ def _blocked_shape(shape, items) -> list[int]:
 
 
 def block_amax(inputs: torch.Tensor, block_sizes: dict) -> torch.Tensor:
-    """Per-block ``abs().amax()`` (float32): ``inputs.shape`` with each block axis divided by its block size."""
+    """Per-block ``abs().amax()`` (float32; float64 for float64 inputs): ``inputs.shape`` with each block axis
+    divided by its block size."""
     items = _block_items(block_sizes, inputs.dim())
     for a, b in items:
         _checks.check_block(inputs, a, b)
     xb = inputs.reshape(_blocked_shape(inputs.shape, items))
     red = [a + k + 1 for k, (a, _) in enumerate(items)]
-    return xb.float().abs().amax(dim=red)
+    return xb.to(_reference.compute_dtype(inputs)).abs().amax(dim=red)
 
 
 def _quantize_block_scales(amax: torch.Tensor, scale_bits, scale_block_sizes) -> torch.Tensor:
@@ -460,8 +459,8 @@ def _quantize_block_scales(amax: torch.Tensor, scale_bits, scale_block_sizes) ->
         return fake_block_quant(amax, dict(scale_block_sizes, type="dynamic"), scale_bits, unsigned=not fp8,
                                 narrow_range=False)
     if fp8:
-        return torch.ops.lq.scaled_e4m3(amax, amax.amax())
-    return torch.ops.lq.fake_quant(amax, amax.amax(), scale_bits, True, False)
+        return ops_for(amax).scaled_e4m3(amax, amax.amax())
+    return ops_for(amax).fake_quant(amax, amax.amax(), scale_bits, True, False)
 
 
 def fake_block_quant(inputs, block_sizes: dict, num_bits=8, amax=None, unsigned=False, narrow_range=True):
@@ -473,7 +472,7 @@ def fake_block_quant(inputs, block_sizes: dict, num_bits=8, amax=None, unsigned=
     :func:`block_amax`'s result. ``block_sizes["scale_bits"]`` quantizes the
     block amax too (double quantization). ``num_bits=(4, 3)`` gives FP8 blocks.
     """
-    _checks.check_input(inputs)
+    _checks.check_input(inputs, allow_float64=True)
     if not isinstance(block_sizes, dict):
         raise TypeError(f"block_sizes must be a dict {{axis: size}}, got {type(block_sizes).__name__}")
     block_sizes = _norm_block_sizes(block_sizes)
@@ -486,7 +485,7 @@ def fake_block_quant(inputs, block_sizes: dict, num_bits=8, amax=None, unsigned=
     scale_bits = block_sizes.get("scale_bits")
     if dynamic and len(items) == 1 and scale_bits is None and not fp8:
         a, b = items[0]
-        return torch.ops.lq.fake_dynamic_block_quant(inputs, a, b, num_bits, unsigned, narrow_range)
+        return ops_for(inputs).fake_dynamic_block_quant(inputs, a, b, num_bits, unsigned, narrow_range)
     if dynamic:
         amax = block_amax(inputs, block_sizes)
     else:
@@ -504,48 +503,13 @@ def fake_block_quant(inputs, block_sizes: dict, num_bits=8, amax=None, unsigned=
     amax_b = amax.reshape([1 if k in [a + j + 1 for j, (a, _) in enumerate(items)] else s for k, s in enumerate(shape)])
     xb = inputs.reshape(shape)
     if fp8:
-        out = torch.ops.lq.scaled_e4m3(xb, amax_b)
+        out = ops_for(xb).scaled_e4m3(xb, amax_b)
     else:
-        out = torch.ops.lq.fake_quant(xb, amax_b, num_bits, unsigned, narrow_range)
+        out = ops_for(xb).fake_quant(xb, amax_b, num_bits, unsigned, narrow_range)
     return out.reshape(inputs.shape)
 
 
 # =========================================================================== autograd.Function spellings
-def _reference_quant(inputs, amax, num_bits, unsigned, narrow_range):
-    _checks.check_amax_values(amax)
-    _checks.check_unsigned_input(inputs, unsigned)
-    return _reference.quant(inputs, amax, num_bits, unsigned, narrow_range)
-
-
-def _reference_fake_quant(inputs, amax, num_bits, unsigned, narrow_range):
-    _checks.check_amax_values(amax)
-    _checks.check_unsigned_input(inputs, unsigned)
-    return _reference.fake_quant(inputs, amax, num_bits, unsigned, narrow_range)
-
-
-class _Float64Quant(torch.autograd.Function):
-    """float64 inputs (the compiled kernels take float32/16/bf16): the reference arithmetic, in float64, with
-    the op's gradients (clipped STE for the input, the PACT gradient for amax)."""
-
-    @staticmethod
-    def forward(ctx, inputs, amax, num_bits, unsigned, narrow_range, fake):
-        ctx.save_for_backward(inputs, amax)
-        if fake:
-            return _reference_fake_quant(inputs, amax, num_bits, unsigned, narrow_range)
-        outputs, scale = _reference_quant(inputs, amax, num_bits, unsigned, narrow_range)
-        ctx.mark_non_differentiable(scale)
-        return outputs, scale
-
-    @staticmethod
-    def backward(ctx, grad, *unused):
-        from lq._ops import clip_amax_grad
-
-        inputs, amax = ctx.saved_tensors
-        grad_amax = clip_amax_grad(grad, inputs, amax) if ctx.needs_input_grad[1] else None
-        return _reference.fake_quant_backward(grad, inputs, amax), grad_amax, None, None, None, None
-
-
-
 class TensorQuantFunction(torch.autograd.Function):
     """A universal tensor quantization function: returns ``(outputs, scale)``.
 
@@ -557,8 +521,7 @@ class TensorQuantFunction(torch.autograd.Function):
     def forward(ctx, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
         amax = _prepare(inputs, amax, num_bits, unsigned)
         ctx.save_for_backward(inputs, amax)
-        quant = _reference_quant if inputs.dtype == torch.float64 else torch.ops.lq.quant
-        outputs, scale = quant(inputs, amax, num_bits, unsigned, narrow_range)
+        outputs, scale = ops_for(inputs).quant(inputs, amax, num_bits, unsigned, narrow_range)
         if _checks.eager(inputs):
             _checks.check_fp16_scale(inputs, scale)
         ctx.mark_non_differentiable(scale)
@@ -567,7 +530,7 @@ class TensorQuantFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_outputs, grad_scale):
         inputs, amax = ctx.saved_tensors
-        return torch.ops.lq.fake_quant_backward(grad_outputs, inputs, amax), None, None, None, None
+        return ops_for(inputs).fake_quant_backward(grad_outputs, inputs, amax), None, None, None, None
 
 
 class FakeTensorQuantFunction(torch.autograd.Function):
@@ -577,13 +540,12 @@ class FakeTensorQuantFunction(torch.autograd.Function):
     def forward(ctx, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
         amax = _prepare(inputs, amax, num_bits, unsigned)
         ctx.save_for_backward(inputs, amax)
-        fake = _reference_fake_quant if inputs.dtype == torch.float64 else torch.ops.lq.fake_quant
-        return fake(inputs, amax, num_bits, unsigned, narrow_range)
+        return ops_for(inputs).fake_quant(inputs, amax, num_bits, unsigned, narrow_range)
 
     @staticmethod
     def backward(ctx, grad_outputs):
         inputs, amax = ctx.saved_tensors
-        return torch.ops.lq.fake_quant_backward(grad_outputs, inputs, amax), None, None, None, None
+        return ops_for(inputs).fake_quant_backward(grad_outputs, inputs, amax), None, None, None, None
 
 
 class LegacyFakeTensorQuantFunction(torch.autograd.Function):
@@ -592,8 +554,8 @@ class LegacyFakeTensorQuantFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
         amax = _prepare(inputs, amax, num_bits, unsigned)
-        _checks.check_amax_values(amax)
-        _checks.check_unsigned_input(inputs, unsigned)
+        if _checks.eager(inputs):  # value checks; traced code gets no data-dependent branch
+            _checks.check_amax_values(amax)
         ctx.save_for_backward(inputs, amax)
         return _reference.fake_quant(inputs, amax, num_bits, unsigned, narrow_range)
 
@@ -615,7 +577,7 @@ class FakeAffineTensorQuantFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_outputs):
         inputs, lo, hi = ctx.saved_tensors
-        return torch.ops.lq.fake_affine_quant_backward(grad_outputs, inputs, lo, hi), None, None, None
+        return ops_for(inputs).fake_affine_quant_backward(grad_outputs, inputs, lo, hi), None, None, None
 
 
 class ScaledE4M3Function(torch.autograd.Function):
@@ -630,7 +592,7 @@ class ScaledE4M3Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_outputs):
         inputs, amax = ctx.saved_tensors
-        return torch.ops.lq.fake_quant_backward(grad_outputs, inputs, amax), None, None, None
+        return ops_for(inputs).fake_quant_backward(grad_outputs, inputs, amax), None, None, None
 
 
 #: the reference toolkit's name for the plain-PyTorch fake quantization (no compiled kernel)

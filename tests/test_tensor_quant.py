@@ -113,6 +113,70 @@ def test_float64_inputs_are_quantized_in_float64():
     assert torch.equal(q, torch.clamp(torch.round(x.detach() * scale), -127, 127)) and s.dtype == torch.float32
 
 
+def test_float64_every_function_written_out():
+    """Every quantization function takes float64 (as the reference toolkit) and computes in float64: values
+    against the formulas written out here, gradients included (the kernels take no float64)."""
+    from lq import cuda_ext
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 20, generator=g, dtype=torch.float64) * 2
+    amax = torch.tensor(1.5, dtype=torch.float64)
+    # FP8: scale 448.0 / amax as the reference writes it, rounded to E4M3 through float32
+    scale = 448.0 / amax
+    e4m3 = (x * scale).float().clamp(-448, 448).to(torch.float8_e4m3fn).float().double() / scale
+    assert tq.scaled_e4m3(x, amax).dtype == torch.float64 and torch.equal(tq.scaled_e4m3(x, amax), e4m3)
+    assert torch.equal(cuda_ext.fake_e4m3fy(x), x.float().clamp(-448, 448).to(torch.float8_e4m3fn).double())
+    # affine (gemmlowp): step, zero point, clamp to [-2^(b-1), 2^(b-1) - 1], all in float64
+    step = (2.0 - -1.0) / 255
+    zp = round(-1.0 / step) + 128
+    affine = (torch.clamp(torch.round(x / step) - zp, -128, 127) + zp) * step
+    assert torch.equal(tq.fake_affine_tensor_quant(x, -1.0, 2.0), affine)
+    # dynamic blocks of 5 along the last axis, 4 bits
+    xb = x.reshape(6, 4, 5)
+    s = torch.tensor(7.0, dtype=torch.float64) / xb.abs().amax(-1, keepdim=True)
+    blocks = (torch.clamp(torch.round(xb * s), -7, 7) / s).reshape(6, 20)
+    assert torch.equal(tq.fake_block_quant(x, {-1: 5}, 4), blocks)
+    assert tq.block_amax(x, {-1: 5}).dtype == torch.float64
+    # in place, per axis
+    y = x.clone()
+    cuda_ext.fake_tensor_quant_(y, amax)
+    s8 = torch.tensor(127.0, dtype=torch.float64) / amax
+    assert torch.equal(y, torch.clamp(torch.round(x * s8), -127, 127) / s8)
+    per = torch.tensor([0.5, 1.0, 1.5, 2.0, 2.5, 3.0], dtype=torch.float64)
+    sp = torch.tensor(127.0, dtype=torch.float64) / per.view(6, 1)
+    assert torch.equal(cuda_ext.fake_tensor_quant_with_axis(x, per, 0), torch.clamp(torch.round(x * sp), -127, 127) / sp)
+    # gradients: clipped STE for the input (every spelling), PACT for a learned FP8 amax
+    inside = (x.abs() <= amax).double()
+    for fn in (lambda v: tq.TensorQuantFunction.apply(v, amax)[0], lambda v: tq.FakeTensorQuantFunction.apply(v, amax),
+               lambda v: tq.ScaledE4M3Function.apply(v, amax), lambda v: tq.scaled_e4m3(v, amax),
+               lambda v: tq.legacy_fake_tensor_quant(v, amax)):
+        v = x.clone().requires_grad_()
+        fn(v).sum().backward()
+        assert torch.equal(v.grad, inside)
+    v = x.clone().requires_grad_()
+    tq.FakeAffineTensorQuantFunction.apply(v, -1.0, 2.0, 8).sum().backward()
+    assert torch.equal(v.grad, ((x >= -1.0) & (x <= 2.0)).double())
+    learned = amax.clone().requires_grad_()
+    tq.scaled_e4m3(x, learned).sum().backward()
+    assert learned.grad.item() == torch.where(x.abs() > amax, torch.sign(x), torch.zeros_like(x)).sum().item()
+
+
+def test_float64_traces_without_data_dependent_branches():
+    """torch.export and torch.compile(fullgraph) trace every float64 path (the value checks run in eager mode
+    only) and give the eager results."""
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            y = tq.fake_tensor_quant(x, x.abs().amax()) + tq.tensor_quant(x, torch.tensor(2.0, dtype=x.dtype))[0]
+            y = y + tq.scaled_e4m3(x, torch.tensor(2.0)) + tq.fake_affine_tensor_quant(x, -1.0, 2.0)
+            return y + tq.fake_block_quant(x, {-1: 5}, 4) + tq.legacy_fake_tensor_quant(x, torch.tensor(1.5))
+
+    x = torch.randn(4, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    eager = M()(x)
+    assert torch.equal(torch.export.export(M(), (x,)).module()(x), eager)
+    assert torch.equal(torch.compile(M(), fullgraph=True, backend="aot_eager")(x), eager)
+
+
 def test_negative_unsigned_input_is_both_value_and_type_error():
     x = torch.tensor([-1.0, 2.0])
     for fn in (tq.fake_tensor_quant, tq.tensor_quant):
@@ -341,6 +405,18 @@ def test_function_errors_name_the_problem(call, exc, words):
     with pytest.raises(exc) as info:
         call()
     assert words in str(info.value)
+
+
+def test_unsupported_float_format_is_one_error_class():
+    """Descriptor and scaled_e4m3 refuse formats other than (4, 3) with the same class: lq's ValueError and the
+    reference toolkit's TypeError."""
+    from lq._checks import FloatFormatError
+
+    for call in (lambda: tq.scaled_e4m3(torch.randn(4), 1.0, E=5, M=2), lambda: QuantDescriptor(num_bits=(7, 3))):
+        with pytest.raises(TypeError) as info:
+            call()
+        assert isinstance(info.value, FloatFormatError) and isinstance(info.value, ValueError)
+    assert tq.FloatFormatError is FloatFormatError
 
 
 def test_empty_tensor():
