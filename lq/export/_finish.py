@@ -10,19 +10,26 @@ from lq.export._ir import Graph, all_nodes, attr, set_attr
 from lq.export._symbolic import DOMAIN
 
 
+def _sole_weight_dq(g: Graph, node, prod: dict, cons: dict):
+    """``(dq, int weight)`` when ``node``'s first input is a DequantizeLinear of a constant (not blocked) that
+    only ``node`` reads, else None: the weight DQs the layout passes may rewrite in place."""
+    dq = prod.get(node.input[0])
+    if dq is None or dq.op_type != "DequantizeLinear" or len(cons.get(node.input[0], [])) != 1:
+        return None
+    q = g.const(dq.input[0])
+    if q is None or attr(dq, "block_size", 0):
+        return None
+    return dq, q
+
+
 def transpose_weight_dq(g: Graph) -> None:
     """``DQ(const) -> Transpose`` -> ``DQ(transposed const)`` so MatMul sees its weight DQ directly."""
     prod, cons = g.producers(), g.consumers()
     drop = set()
     for t in g.nodes:
-        if t.op_type != "Transpose":
+        if t.op_type != "Transpose" or (found := _sole_weight_dq(g, t, prod, cons)) is None:
             continue
-        dq = prod.get(t.input[0])
-        if dq is None or dq.op_type != "DequantizeLinear" or len(cons.get(t.input[0], [])) != 1:
-            continue
-        q = g.const(dq.input[0])
-        if q is None or attr(dq, "block_size", 0):
-            continue
+        dq, q = found
         perm = attr(t, "perm", list(range(q.ndim))[::-1])
         s = g.const(dq.input[1])
         new_q = g.add_const(f"{dq.input[0]}_T", np.transpose(q, perm))
@@ -44,15 +51,12 @@ def split_weight_dq(g: Graph) -> None:
     prod, cons = g.producers(), g.consumers()
     drop = set()
     for sp in g.nodes:
-        if sp.op_type != "Split":
+        if sp.op_type != "Split" or (found := _sole_weight_dq(g, sp, prod, cons)) is None:
             continue
-        dq = prod.get(sp.input[0])
-        if dq is None or dq.op_type != "DequantizeLinear" or len(cons.get(sp.input[0], [])) != 1:
-            continue
-        q = g.const(dq.input[0])
+        dq, q = found
         scale = g.const(dq.input[1])
         zp = g.const(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
-        if q is None or scale is None or attr(dq, "block_size", 0):
+        if scale is None:
             continue
         axis = attr(sp, "axis", 0) % q.ndim
         sizes = g.const(sp.input[1]) if len(sp.input) > 1 and sp.input[1] else None
