@@ -418,7 +418,7 @@ def quantize_model(
         glue: also quantize the glue ops written in the modules' own forwards (``x + y``,
             ``torch.cat``, ``a @ b`` between activations; see :mod:`lq.glue`), so a residual add
             runs as an integer add and the layers feeding it fuse. Their quantizers are named
-            ``<module>.lq_glue.add_0`` ... (globs in ``overrides``/``exclude`` reach them). A module
+            ``<module>.lq_glue.add_0_a`` ... (globs in ``overrides``/``exclude`` reach them). A module
             torch.fx cannot trace keeps its glue float; the summary's notes name it.
 
     Returns:
@@ -556,7 +556,7 @@ def quantize_model(
 
     for p in glue_plans:
         try:
-            p.build(glue_desc)
+            p.build(glue_desc, lambda m: targets[id(m)].new if id(m) in targets else m)
         except DescriptorTypeError:
             raise
         except Exception as e:  # noqa: BLE001 - a module whose rewrite fails keeps its glue float
@@ -585,7 +585,7 @@ def quantize_model(
     for p in glue_plans:
         p.commit()
         for s in p.sites:
-            qs = [p.quantizers[q] for q in s.quantizer_names()]
+            qs = p.site_quantizers(s)
             layers.append(LayerSummary.of_glue(p.path(s.name), p.label(s), qs, "quantized"))
     if any(isinstance(t.new, quant_nn.QuantMultiheadAttention) for t in targets.values()):
         for name, m in model.named_modules():

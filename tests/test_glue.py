@@ -83,17 +83,18 @@ def test_plain_add_and_cat_are_quantized_without_model_changes():
     assert summary["block.lq_glue.add_0"].type == "x + y"
     x = torch.randn(4, 3, 12, 12)
     calibrate_model(m, [x])
-    # the block's forward equals q(conv2(...)) + q(x) with ONE quantizer, written out by hand
+    # the block's forward equals q_a(conv2(...)) + q_x(x), written out by hand: the conv branch has the add's
+    # own quantizer, and x, which conv1 also reads, is quantized by conv1's input quantizer (one scale for x)
     blk = m.block
+    assert sorted(blk.lq_glue.keys()) == ["add_0_a"]
+    assert summary["block.lq_glue.add_0"].num_quantizers == 2
     h = torch.randn(4, 8, 12, 12)
     with torch.no_grad():
-        q = blk.lq_glue.add_0
         inner = blk.conv2(F.relu(blk.conv1(h)))
-        want = F.relu(_fq(inner, q) + _fq(h, q))
+        want = F.relu(_fq(inner, blk.lq_glue.add_0_a) + _fq(h, blk.conv1._input_quantizer))
         torch.testing.assert_close(blk(h), want, rtol=0, atol=0)
-    # amax of the shared quantizer covers both operands (max calibration over both)
-    assert float(blk.lq_glue.add_0.amax) > 0
-    assert "block.lq_glue.add_0._amax" in m.state_dict() and "lq_glue.cat_0._amax" in m.state_dict()
+        assert float(blk.lq_glue.add_0_a.amax) != float(blk.conv1._input_quantizer.amax)
+    assert "block.lq_glue.add_0_a._amax" in m.state_dict() and "lq_glue.cat_0._amax" in m.state_dict()
 
 
 def test_attention_matmuls_get_one_quantizer_per_operand_and_parameter_add_stays_float():
@@ -123,7 +124,7 @@ def test_second_call_is_idempotent_and_state_dict_round_trips():
     calibrate_model(m, [x])
     again = quantize_model(m)
     assert again.quantized == []
-    assert {r.name for r in again if r.status == "already quantized"} >= {"block.lq_glue.add_0", "lq_glue.cat_0"}
+    assert {r.name for r in again if r.status == "already quantized"} >= {"block.lq_glue.add_0_a", "lq_glue.cat_0"}
     fresh = Net().eval()
     quantize_model(fresh)
     fresh.load_state_dict(m.state_dict())  # strict: the same keys, glue quantizers included
@@ -219,6 +220,74 @@ def test_export_runs_plain_add_as_integer_add_and_fuses_the_convs(tmp_path):
     assert kernels[("block.conv1", "Conv")] == "QLinearConv"
 
 
+class TinyResNet(nn.Module):
+    """torchvision-style: BatchNorm blocks with plain ``out + x`` and a functional pool at the end."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.blocks = nn.Sequential(BNBlock(c), BNBlock(c))
+        self.fc = nn.Linear(c, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1), 1))
+
+
+class BNBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + x)
+
+
+def _trained_bn(m):
+    m.train()
+    with torch.no_grad():
+        for _ in range(3):
+            m(torch.randn(8, 3, 12, 12))
+    return m.eval()
+
+
+@pytest.mark.parametrize("method", ["max", "auto"])
+def test_residual_operand_shares_the_next_conv_quantizer_and_the_pool_is_quantized(tmp_path, method):
+    """``x`` of ``f(x) + x`` is quantized by conv1's own input quantizer (whatever the calibration method, one
+    scale: the export does not copy x's producer), and ``F.adaptive_avg_pool2d`` gets an input quantizer, so
+    onnxruntime runs the whole tail (last add, pool, fc) in INT8."""
+    pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    m = _trained_bn(TinyResNet())
+    summary = quantize_model(m)
+    blk = m.blocks[1]
+    assert sorted(blk.lq_glue.keys()) == ["add_0_a"]
+    assert summary["blocks.1.lq_glue.add_0"].num_quantizers == 2
+    assert summary["lq_glue.pool_0"].type == "average pooling"
+    x = torch.randn(16, 3, 12, 12)
+    calibrate_model(m, [x[:8], x[8:]], method=method)
+    h = torch.randn(4, 8, 12, 12)
+    with torch.no_grad():  # the block and the model's tail written out by hand
+        inner = blk.bn2(blk.conv2(F.relu(blk.bn1(blk.conv1(h)))))
+        want = F.relu(_fq(inner, blk.lq_glue.add_0_a) + _fq(h, blk.conv1._input_quantizer))
+        torch.testing.assert_close(blk(h), want, rtol=0, atol=0)
+        feat = m.blocks(m.stem(x[:4]))
+        want = m.fc(torch.flatten(F.adaptive_avg_pool2d(_fq(feat, m.lq_glue.pool_0), 1), 1))
+        torch.testing.assert_close(m(x[:4]), want, rtol=0, atol=0)
+    res = export_onnx(m, x[:4], str(tmp_path / "m.onnx"))  # verified against PyTorch inside
+    import onnx
+
+    names = [n.name for n in onnx.load(str(tmp_path / "m.onnx")).graph.node]
+    assert not [n for n in names if "_copy" in n]  # no producer had to be copied for a second scale
+    kernels = {(k.layer, k.op): k.kernel for k in res.layer_kernels}
+    assert all(v == "QLinearConv" for (layer, op), v in kernels.items() if op == "Conv"), kernels
+    assert kernels[("blocks.1", "Add")] == "QLinearAdd"
+    from lq.export import optimized_op_counts
+
+    ops = optimized_op_counts(str(tmp_path / "m.onnx"))
+    assert ops.get("QLinearGlobalAveragePool") == 1 and "GlobalAveragePool" not in ops and "Add" not in ops, ops
+
+
 class LitResidual(__import__("lightning").LightningModule):
     """A LightningModule whose own forward holds a plain ``+`` (the root module is rewritten in place)."""
 
@@ -264,7 +333,7 @@ def test_quant_callback_trains_checkpoints_and_exports_a_model_with_plain_adds(t
               enable_model_summary=False, default_root_dir=str(tmp_path), accelerator="cpu",
               callbacks=[cb, ckpt]).fit(model, datamodule=dm)
     assert isinstance(model, LitResidual) and isinstance(model, GlueQuantized)
-    assert float(model.lq_glue.add_0.amax) > 0 and float(model.block.lq_glue.add_0.amax) > 0
+    assert float(model.lq_glue.add_0_a.amax) > 0 and float(model.block.lq_glue.add_0_a.amax) > 0
     kernels = {(k.layer, k.op): k.kernel for k in cb.exporter.result.layer_kernels}
     assert kernels[("block", "Add")] == "QLinearAdd" and kernels[("block.conv2", "Conv")] == "QLinearConv"
     x = dm.arrays("test")[0][:16]

@@ -23,18 +23,23 @@ from torch import nn
 from lq.glue import _outputs
 from lq.glue._outputs import OutputSite
 from lq.glue._rewrite import CHILD, GlueQuantized, GlueQuantizer, commit, glue_class, remove
-from lq.glue._rules import FUNCTIONS, METHODS, GlueRule
+from lq.glue._rules import FUNCTIONS, METHODS, TIED_LAYERS, GlueRule
 from lq.glue._sites import Site, find_sites
 from lq.glue._trace import trace
+from lq.nn.modules.tensor_quantizer import TensorQuantizer
+
+#: the attribute of a quantized conv/linear that quantizes its input
+_TIED_ATTR = "_input_quantizer"
 
 __all__ = ["GluePlan", "OutputSite", "plan", "GlueQuantized", "GlueQuantizer", "CHILD", "remove", "FUNCTIONS", "METHODS",
            "GlueRule", "is_glue_quantized"]
 
 #: classes defined here are library code: their forwards are not rewritten
 _LIBRARY_PREFIXES = ("torch.", "lq.", "lightning.", "pytorch_lightning.", "torchmetrics.", "transformers.")
-_GLUE_TEXT = re.compile(r"\+|torch\.cat|torch\.concat|@|matmul|\bbmm\b|\.add\(|scaled_dot_product_attention")
+_GLUE_TEXT = re.compile(r"\+|torch\.cat|torch\.concat|@|matmul|\bbmm\b|\.add\(|scaled_dot_product_attention|avg_pool")
 
-_LABELS = {"add": "x + y", "cat": "torch.cat", "matmul": "a @ b", "attention": "scaled_dot_product_attention"}
+_LABELS = {"add": "x + y", "cat": "torch.cat", "matmul": "a @ b", "attention": "scaled_dot_product_attention",
+           "pool": "average pooling"}
 
 
 @dataclasses.dataclass
@@ -55,14 +60,26 @@ class GluePlan:
     def quantizer_paths(self) -> list[str]:
         return [self.path(q) for s in self.sites for q in s.quantizer_names()]
 
-    def build(self, desc_for: Callable[[str], object]) -> None:
-        """Make the quantizers (a descriptor per quantizer path) and the generated class."""
+    def build(self, desc_for: Callable[[str], object], swapped: Callable[[nn.Module], nn.Module] = lambda m: m) -> None:
+        """Make the quantizers (a descriptor per quantizer path) and the generated class. ``swapped(layer)``: the
+        quantized module that will replace ``layer``; an operand stays tied to its input quantizer only where
+        that quantizer quantizes per tensor and is enabled."""
+        for s in self.sites:
+            for i, path in list(s.tied.items()):
+                q = getattr(swapped(self.module.get_submodule(path.rsplit(".", 1)[0])), _TIED_ATTR, None)
+                if not (isinstance(q, TensorQuantizer) and q.axis is None and q.is_enabled):
+                    del s.tied[i]
         self.quantizers = nn.ModuleDict({q: GlueQuantizer(desc_for(self.path(q)))
                                          for s in self.sites for q in s.quantizer_names()})
         self.cls = glue_class(self.module, self.graph, self.sites, self.quantizers)
 
     def commit(self) -> None:
         commit(self.module, self.cls, self.quantizers)
+
+    def site_quantizers(self, site: Site) -> list:
+        """Every quantizer a site applies: its own, then the layers' input quantizers it is tied to."""
+        return [self.quantizers[q] for q in site.quantizer_names()] + [
+            self.module.get_submodule(p) for p in site.tied.values()]
 
     def label(self, site: Site) -> str:
         return _LABELS[site.rule.kind]
@@ -84,6 +101,21 @@ def _may_have_glue(m: nn.Module) -> bool:
         return True
     body = src.split(":", 1)[-1]
     return bool(_GLUE_TEXT.search(body))
+
+
+def _tie(parent: nn.Module, graph: fx.Graph, will_be_quantized):
+    """``tie(node)``: the input quantizer path of the first quantized conv/linear of ``parent`` that reads
+    ``node`` as its input, or None."""
+
+    def tie(node: fx.Node) -> str | None:
+        for u in node.users:
+            if u.op == "call_module" and u.args and u.args[0] is node:
+                layer = parent.get_submodule(u.target)
+                if isinstance(layer, TIED_LAYERS) and will_be_quantized(layer):
+                    return f"{u.target}.{_TIED_ATTR}"
+        return None
+
+    return tie
 
 
 def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.Module], bool],
@@ -113,7 +145,7 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
                 refused.setdefault((type(m), why), []).append(name or "the model")
             continue
         outputs.update((id(o.layer), o) for o in _outputs.sites_in_graph(m, name, graph, wants))
-        sites = find_sites(graph)
+        sites = find_sites(graph, _tie(m, graph, will_be_quantized))
         if sites:
             plans.append(GluePlan(name, m, graph, sites))
     notes = [f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''} ({cls.__name__}"

@@ -42,24 +42,34 @@ def glue_class(module: nn.Module, graph: fx.Graph, sites: list[Site], quantizers
 
     Nothing is changed on ``module`` (the model is still untouched when this runs); :func:`commit` does it.
     """
+    tied_paths = set()
     for s in sites:
-        names = s.quantizer_names()
         if s.rule.kind == "attention":
-            _write_out_attention(graph, s, names)
+            _write_out_attention(graph, s, s.quantizer_names())
             continue
         with graph.inserting_before(s.node):
-            for i, op in enumerate(dict.fromkeys(s.operands)):  # the same tensor twice: quantized once
-                q = graph.call_module(f"{CHILD}.{names[0 if s.rule.shared else i]}", (op,))
+            # the same tensor twice is quantized once; a tied operand by the layer's own input quantizer
+            for i, (op, own) in enumerate(zip(dict.fromkeys(s.operands), s.operand_names())):
+                if own is None:
+                    target = s.tied[i]
+                    tied_paths.add(target)
+                else:
+                    target = f"{CHILD}.{own}"
+                q = graph.call_module(target, (op,))
                 s.node.replace_input_with(op, q)
-    graph.lint()
     owners: dict[str, object] = {}
     for n in graph.nodes:
         if n.op in ("call_module", "get_attr"):
             if n.target.startswith(CHILD + "."):
                 owners[n.target] = quantizers[n.target[len(CHILD) + 1:]]
+            elif n.target in tied_paths:
+                # the layer's input quantizer exists once the layer is swapped (after this runs); the code
+                # generated here only names it, so a stand-in serves
+                owners[n.target] = nn.Identity()
             else:
                 owners[n.target] = _resolve(module, n.target)
     gm = fx.GraphModule(owners, graph, class_name=type(module).__name__)
+    gm.graph.lint()
     cls = type(module)
     key = (cls, gm.code)
     if key not in _CLASSES:

@@ -3,14 +3,20 @@
 A glue op is tensor arithmetic written as a function or operator (``x + y``, ``torch.cat``, ``q @ k``)
 rather than a module. Runtimes keep such an op in INT8 only when its inputs are quantized:
 
-* ``add`` -> one quantizer shared by both operands (TensorRT fuses an elementwise add only when its inputs
-  share a scale; onnxruntime runs ``QLinearAdd``), which also gives the convs/linears that feed it the
-  output quantizer onnxruntime needs to run them as ``QLinearConv``/``QGemm``. The semantics of
-  :class:`lq.nn.QuantAdd`.
+* ``add`` -> one quantizer per operand (``QLinearAdd`` and TensorRT's fused add take a scale per input),
+  which also gives the convs/linears that feed it the output quantizer onnxruntime needs to run them as
+  ``QLinearConv``/``QGemm``. An operand that a quantized conv/linear of the same forward also reads (the
+  ``x`` of ``f(x) + x``) is quantized by that layer's own input quantizer (``TIED_LAYERS``): one scale for
+  the tensor, so the producer of ``x`` ends in one fused QuantizeLinear, not in two that differ (which
+  would make the export copy the producer, one per scale).
 * ``cat`` -> one quantizer shared by all inputs (``QLinearConcat``; TensorRT needs one scale): the
   semantics of :class:`lq.nn.QuantCat`.
 * ``matmul`` -> one quantizer per operand (``QLinearMatMul`` / ``MatMulInteger`` with two activation
   inputs, e.g. attention scores ``q @ k.transpose(-2, -1)`` and ``attn @ v``).
+* ``pool`` (``F.adaptive_avg_pool2d``, ``F.avg_pool2d``, 1-d and 3-d too) -> one quantizer on the input, as
+  the module forms have (:class:`lq.nn.QuantAdaptiveAvgPool2d` ...): onnxruntime then runs
+  ``QLinearGlobalAveragePool``/``QLinearAveragePool`` and the residual add before the pool a ``QLinearAdd``
+  (``F.relu(x + y)`` -> ``F.adaptive_avg_pool2d`` ends most ResNets).
 * ``attention`` (``F.scaled_dot_product_attention``) -> written out as its two matmuls with quantizers on
   q, k, the probabilities and v (:mod:`lq.glue._attention`).
 
@@ -29,16 +35,22 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class GlueRule:
-    kind: str  # add | cat | matmul
+    kind: str  # add | cat | matmul | attention | pool
     shared: bool  # one quantizer for every operand (True) or one per operand (False)
 
 
-ADD = GlueRule("add", shared=True)
+ADD = GlueRule("add", shared=False)
 CAT = GlueRule("cat", shared=True)
 MATMUL = GlueRule("matmul", shared=False)
 #: ``F.scaled_dot_product_attention``: written out (lq.glue._attention) with a quantizer on q, k, the
 #: probabilities and v, so both of its matmuls run as integer matmuls
 ATTENTION = GlueRule("attention", shared=False)
+#: average pooling written as a function: its input quantized
+POOL = GlueRule("pool", shared=True)
+
+#: layers whose input quantizer an add operand shares when the layer reads the same tensor (they quantize their
+#: input per tensor with ``_input_quantizer``)
+TIED_LAYERS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
 
 #: call_function targets
 FUNCTIONS = {
@@ -46,6 +58,9 @@ FUNCTIONS = {
     torch.cat: CAT, torch.concat: CAT, torch.concatenate: CAT,
     operator.matmul: MATMUL, torch.matmul: MATMUL, torch.bmm: MATMUL,
     torch.nn.functional.scaled_dot_product_attention: ATTENTION,
+    torch.nn.functional.adaptive_avg_pool1d: POOL, torch.nn.functional.adaptive_avg_pool2d: POOL,
+    torch.nn.functional.adaptive_avg_pool3d: POOL, torch.nn.functional.avg_pool1d: POOL,
+    torch.nn.functional.avg_pool2d: POOL, torch.nn.functional.avg_pool3d: POOL,
 }
 #: call_method targets (``x.add(y)``, ``a.matmul(b)``)
 METHODS = {"add": ADD, "matmul": MATMUL, "bmm": MATMUL}

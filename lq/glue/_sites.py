@@ -22,14 +22,23 @@ class Site:
     rule: GlueRule
     operands: list[fx.Node]
     name: str
+    #: operand index -> module path (relative to the traced module) of the input quantizer of a layer that
+    #: reads the same tensor; that quantizer quantizes the operand here too (``add`` only)
+    tied: dict[int, str] = dataclasses.field(default_factory=dict)
+
+    def operand_names(self) -> list[str | None]:
+        """The site's own quantizer of each distinct operand (None where it is tied to a layer's)."""
+        ops = list(dict.fromkeys(self.operands))
+        if self.rule.shared:
+            return [self.name] * len(ops)
+        return [None if i in self.tied else f"{self.name}_{chr(ord('a') + i)}" for i in range(len(ops))]
 
     def quantizer_names(self) -> list[str]:
-        """One name for a shared quantizer, else one per operand (``matmul_0_a``, ``matmul_0_b``)."""
-        if self.rule.shared:
-            return [self.name]
+        """The quantizers the site owns: one if shared, else one per operand (``matmul_0_a``, ``matmul_0_b``)
+        that is not tied to a layer's input quantizer."""
         if self.rule.kind == "attention":
             return [f"{self.name}_{part}" for part in ("q", "k", "probs", "v")]
-        return [f"{self.name}_{chr(ord('a') + i)}" for i in range(len(self.operands))]
+        return list(dict.fromkeys(n for n in self.operand_names() if n is not None))
 
 
 def activations(graph: fx.Graph) -> set[fx.Node]:
@@ -70,6 +79,8 @@ def _operands(n: fx.Node, rule: GlueRule) -> list | None:
                 or isinstance(a.get("is_causal", False), fx.Node) or isinstance(a.get("scale"), fx.Node):
             return None  # only Python-valued flags are written out
         return [a.get("query"), a.get("key"), a.get("value")]
+    if rule.kind == "pool":
+        return [n.args[0] if n.args else n.kwargs.get("input")]
     if rule.kind == "cat":
         seq = n.args[0] if n.args else n.kwargs.get("tensors")
         return list(seq) if isinstance(seq, (list, tuple)) else None
@@ -80,8 +91,11 @@ def _operands(n: fx.Node, rule: GlueRule) -> list | None:
     return [n.args[0] if n.args else n.kwargs.get("input"), n.kwargs.get("other")]
 
 
-def find_sites(graph: fx.Graph) -> list[Site]:
-    """Every glue op of ``graph`` whose operands are all activation tensors, in graph order."""
+def find_sites(graph: fx.Graph, tie=None) -> list[Site]:
+    """Every glue op of ``graph`` whose operands are all activation tensors, in graph order.
+
+    ``tie(node)``: the path of the input quantizer of a layer that also reads ``node``, or None; an ``add``
+    operand with one is quantized by it (:data:`lq.glue._rules.TIED_LAYERS`)."""
     act = activations(graph)
     counts: dict[str, int] = {}
     sites = []
@@ -96,9 +110,15 @@ def find_sites(graph: fx.Graph) -> list[Site]:
         if rule.kind == "add" and (n.kwargs.get("alpha", 1) != 1 or (n.op == "call_function" and len(n.args) > 2)):
             continue  # add with a scale: not a plain residual join
         ops = _operands(n, rule)
-        if not ops or len(ops) < 2 or not all(isinstance(o, fx.Node) and o in act for o in ops):
+        if not ops or len(ops) < (1 if rule.kind == "pool" else 2) or not all(isinstance(o, fx.Node) and o in act for o in ops):
             continue
         k = counts.get(rule.kind, 0)
         counts[rule.kind] = k + 1
-        sites.append(Site(n, rule, ops, f"{rule.kind}_{k}"))
+        site = Site(n, rule, ops, f"{rule.kind}_{k}")
+        if rule.kind == "add" and tie is not None:
+            for i, op in enumerate(dict.fromkeys(ops)):
+                path = tie(op)
+                if path is not None:
+                    site.tied[i] = path
+        sites.append(site)
     return sites
