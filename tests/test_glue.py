@@ -300,7 +300,7 @@ class LitResidual(__import__("lightning").LightningModule):
     def forward(self, x):
         h = F.relu(self.stem(x))
         h = self.block(h) + h
-        return self.head(h.mean((2, 3)))
+        return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
 
     def training_step(self, batch, _):
         x, y = batch
@@ -363,7 +363,9 @@ def test_layers_read_by_float_ops_get_output_quantizers_and_fuse(tmp_path):
     torch.manual_seed(0)
     m = NormAfterConv().eval()
     summary = quantize_model(m)
-    assert {"conv._output_quantizer", "mlp.0._output_quantizer"} <= set(summary.quantized)
+    assert "conv._output_quantizer" in summary.quantized
+    # a Linear keeps its integer kernel with a float output (onnxruntime's QGemm / MatMulIntegerToFloat)
+    assert "mlp.0._output_quantizer" not in summary.quantized
     assert "mlp.2._output_quantizer" not in summary.quantized  # a model output: nothing float reads it
     assert summary["conv._output_quantizer"].type == "output -> GroupNorm"
     assert [type(c).__name__ for c in m.mlp] == ["QuantLinear", "GELU", "QuantLinear"]  # indexing untouched
@@ -375,7 +377,7 @@ def test_layers_read_by_float_ops_get_output_quantizers_and_fuse(tmp_path):
         torch.testing.assert_close(m.conv(x), want, rtol=0, atol=0)
     res = export_onnx(m, x, str(tmp_path / "m.onnx"))
     kernels = {k.layer: k.kernel for k in res.layer_kernels}
-    assert kernels["conv"] == "QLinearConv" and kernels["mlp.0"] in ("QGemm", "QLinearMatMul")
+    assert kernels["conv"] == "QLinearConv" and kernels["mlp.0"] in ("QGemm", "MatMulIntegerToFloat"), kernels
     dequantize_model(m)
     assert not m.conv._forward_hooks and "_output_quantizer" not in m.conv._modules
 
@@ -426,3 +428,44 @@ def test_scaled_dot_product_attention_gets_both_matmuls_quantized(tmp_path):
     res = export_onnx(m, x, str(tmp_path / "sdpa.onnx"))
     attention = [k for k in res.layer_kernels if k.op == "MatMul" and k.layer not in ("qkv", "out")]
     assert len(attention) == 2 and all(k.integer for k in attention), res.layer_kernels  # q @ k^T and p @ v
+
+
+class PreNorm(nn.Module):
+    """A pre-norm residual stream: each add is read by the next LayerNorm and the next add; the last one by
+    ``mean`` (``pool=True``) or by a Linear."""
+
+    def __init__(self, d=16, pool=True):
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.f1, self.f2 = nn.Linear(d, d), nn.Linear(d, d)
+        self.head = nn.Linear(d, 4)
+        self.pool = pool
+
+    def forward(self, x):
+        h = x + self.f1(self.n1(x))
+        h = h + self.f2(self.n2(h))
+        return self.head(h.mean(1)) if self.pool else self.head(h)
+
+
+def test_adds_only_float_ops_read_stay_float(tmp_path):
+    """A residual stream that only LayerNorm, mean and further such adds read gets no quantizers (no integer
+    kernel could take it: they would only add Q/DQ pairs); one a quantized Linear reads is quantized."""
+    torch.manual_seed(0)
+    m = PreNorm().eval()
+    ref = copy.deepcopy(m)
+    summary = quantize_model(m)
+    assert not [n for n in summary.quantized if "lq_glue" in n] and not isinstance(m, GlueQuantized)
+    x = torch.randn(4, 6, 16)
+    calibrate_model(m, [x])
+    with torch.no_grad():  # the adds are the float ones: only the Linears' own quantizers act
+        h = x + m.f1(ref.n1(x))
+        h = h + m.f2(ref.n2(h))
+        torch.testing.assert_close(m(x), m.head(h.mean(1)), rtol=0, atol=0)
+    res = export_onnx(m, x, str(tmp_path / "m.onnx"))
+    kernels = {k.layer: k.kernel for k in res.layer_kernels}
+    assert all(kernels[n] in ("QGemm", "MatMulIntegerToFloat") for n in ("f1", "f2", "head")), kernels
+    m2 = PreNorm(pool=False).eval()
+    summary = quantize_model(m2)
+    # the last add feeds the head (a quantized Linear), and the first one feeds that add's operand quantizer
+    assert [n for n in summary.quantized if "lq_glue" in n] == ["lq_glue.add_0", "lq_glue.add_1"]
+    assert sorted(m2.lq_glue.keys()) == ["add_0_a", "add_0_b", "add_1_a", "add_1_b"]

@@ -145,7 +145,7 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
                 refused.setdefault((type(m), why), []).append(name or "the model")
             continue
         outputs.update((id(o.layer), o) for o in _outputs.sites_in_graph(m, name, graph, wants))
-        sites = find_sites(graph, _tie(m, graph, will_be_quantized))
+        sites = find_sites(graph, _tie(m, graph, will_be_quantized), m)
         if sites:
             plans.append(GluePlan(name, m, graph, sites))
     notes = [f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''} ({cls.__name__}"

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from lq.glue._rules import FUNCTIONS, METHODS, GlueRule
+from lq.glue._rules import FLOAT_ONLY_REDUCERS_FUNCTIONS, FLOAT_ONLY_REDUCERS_METHODS, FUNCTIONS, METHODS, GlueRule
 
 #: attributes and methods of a tensor that give Python values (shapes, dtypes), not tensors
 _META_ATTRS = {"shape", "dtype", "device", "ndim", "layout", "is_cuda", "requires_grad", "is_quantized"}
@@ -91,11 +91,30 @@ def _operands(n: fx.Node, rule: GlueRule) -> list | None:
     return [n.args[0] if n.args else n.kwargs.get("input"), n.kwargs.get("other")]
 
 
-def find_sites(graph: fx.Graph, tie=None) -> list[Site]:
-    """Every glue op of ``graph`` whose operands are all activation tensors, in graph order.
+def _float_only(node: fx.Node, parent, float_adds: set) -> bool:
+    """Only float ops read ``node``: float readers (GroupNorm, LayerNorm, GELU ...), ``mean`` or adds that stay
+    float themselves."""
+    from lq.glue._outputs import _reader
+
+    def float_reader(u: fx.Node) -> bool:
+        if u in float_adds:
+            return True
+        if u.op == "call_function" and u.target in FLOAT_ONLY_REDUCERS_FUNCTIONS:
+            return True
+        if u.op == "call_method" and u.target in FLOAT_ONLY_REDUCERS_METHODS:
+            return True
+        return parent is not None and _reader(u, parent) is not None
+
+    return bool(node.users) and all(float_reader(u) for u in node.users)
+
+
+def find_sites(graph: fx.Graph, tie=None, parent=None) -> list[Site]:
+    """Every glue op of ``graph`` whose operands are all activation tensors, in graph order, except adds whose
+    result only float ops read (:data:`lq.glue._rules.FLOAT_ONLY_REDUCERS_METHODS`).
 
     ``tie(node)``: the path of the input quantizer of a layer that also reads ``node``, or None; an ``add``
-    operand with one is quantized by it (:data:`lq.glue._rules.TIED_LAYERS`)."""
+    operand with one is quantized by it (:data:`lq.glue._rules.TIED_LAYERS`). ``parent``: the traced module
+    (to tell what its children are)."""
     act = activations(graph)
     counts: dict[str, int] = {}
     sites = []
@@ -121,4 +140,14 @@ def find_sites(graph: fx.Graph, tie=None) -> list[Site]:
                 if path is not None:
                     site.tied[i] = path
         sites.append(site)
+    float_adds: set = set()
+    for site in reversed(sites):  # readers come later in the graph: decide them first
+        if site.rule.kind == "add" and _float_only(site.node, parent, float_adds):
+            float_adds.add(site.node)
+    sites = [s for s in sites if s.node not in float_adds]
+    counts.clear()
+    for s in sites:  # names in graph order among the quantized sites
+        k = counts.get(s.rule.kind, 0)
+        counts[s.rule.kind] = k + 1
+        s.name = f"{s.rule.kind}_{k}"
     return sites
