@@ -136,6 +136,9 @@ class QuantConfig:
             type lq has a quantized version of.
         glue: also quantize ``x + y``, ``torch.cat`` and ``a @ b`` written in the modules' own forwards
             (:mod:`lq.glue`): residual adds run as integer adds and the layers feeding them fuse.
+        unsigned_after_relu: 8-bit input quantizers that only see a ReLU's output use the unsigned grid
+            ``[0, 255]`` (twice the steps; onnxruntime drops the ReLU). onnxruntime only (TensorRT takes
+            int8): on in :class:`Int8ReduceRangeConfig`.
     """
 
     input: QuantizerConfig = field(default_factory=QuantizerConfig)
@@ -145,11 +148,13 @@ class QuantConfig:
     overrides: Dict[str, Dict[str, Dict[str, Any]]] = field(default_factory=dict)
     types: Optional[List[str]] = None
     glue: bool = True
+    unsigned_after_relu: bool = False
 
     def __post_init__(self):
         owner = type(self).__name__
-        if not isinstance(self.glue, bool):
-            raise ValueError(f"{owner}.glue={self.glue!r} is not allowed: expected true or false")
+        for flag in ("glue", "unsigned_after_relu"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{owner}.{flag}={getattr(self, flag)!r} is not allowed: expected true or false")
         if self.types is not None:
             if isinstance(self.types, str) or not all(isinstance(t, str) for t in self.types):
                 raise ValueError(f"{owner}.types={self.types!r} is not allowed: expected None or a list of class names")
@@ -215,10 +220,13 @@ class Int8ReduceRangeConfig(QuantConfig):
     VNNI (AVX2, AVX-512 without VNNI); 7-bit weights keep every pair within it, so the export runs those
     kernels on every CPU. With full 8-bit weights lq stores the weights as uint8 (zero point 128) instead:
     the same values, exact everywhere, on the slower uint8 x uint8 kernels. The weight grid is part of the
-    recipe, so calibration, QAT and the ONNX file all use 7 bits.
+    recipe, so calibration, QAT and the ONNX file all use 7 bits. Inputs that only see a ReLU's output
+    quantize on the unsigned grid ``[0, 255]`` (``unsigned_after_relu``): onnxruntime then fuses the ReLU
+    into the kernel before it, as in its own ``quantize_static`` files.
     """
 
     weight: QuantizerConfig = field(default_factory=lambda: QuantizerConfig(num_bits=7, axis=[0]))
+    unsigned_after_relu: bool = True
 
 
 @dataclass
@@ -442,7 +450,8 @@ class JobConfig:
 
     # the int8_reduce_range recipe's values on the base class: Hydra types the node by its default, and any
     # recipe (a QuantConfig subclass) must be able to replace it
-    quant: QuantConfig = field(default_factory=lambda: QuantConfig(weight=Int8ReduceRangeConfig().weight))
+    quant: QuantConfig = field(default_factory=lambda: QuantConfig(
+        weight=Int8ReduceRangeConfig().weight, unsigned_after_relu=Int8ReduceRangeConfig().unsigned_after_relu))
     calib: CalibConfig = field(default_factory=CalibConfig)
     qat: QATConfig = field(default_factory=QATConfig)
     export: ExportConfig = field(default_factory=ExportConfig)

@@ -400,6 +400,7 @@ def quantize_model(
     quant_desc_input=None,
     quant_desc_weight=None,
     glue: bool = True,
+    unsigned_after_relu: bool = False,
 ) -> QuantizationSummary:
     """Replace the float modules of ``model`` by quantized ones, in place.
 
@@ -420,6 +421,10 @@ def quantize_model(
             runs as an integer add and the layers feeding it fuse. Their quantizers are named
             ``<module>.lq_glue.add_0_a`` ... (globs in ``overrides``/``exclude`` reach them). A module
             torch.fx cannot trace keeps its glue float; the summary's notes name it.
+        unsigned_after_relu: 8-bit per-tensor input quantizers (layers' and glue's) that only ever see
+            a ReLU's output (pooled, reshaped ...) quantize on the unsigned grid ``[0, 255]``: twice the
+            steps, and onnxruntime drops the ReLU (:mod:`lq.glue._nonneg`). onnxruntime only: TensorRT
+            takes int8 Q/DQ. Part of :class:`lq.config.Int8ReduceRangeConfig`.
 
     Returns:
         a :class:`QuantizationSummary` of the converted, already quantized and excluded layers.
@@ -494,13 +499,21 @@ def quantize_model(
 
     # ---- glue ops in the modules' own forwards (traced, nothing modified)
     glue_plans, glue_outputs, glue_notes = [], [], []
-    if glue:
+    unsigned: set[str] = set()
+    if glue or unsigned_after_relu:
         from lq import glue as _glue
 
+        graphs: dict = {}
+        will_be_quantized = lambda m: isinstance(m, QuantMixin) or id(m) in targets  # noqa: E731
         glue_plans, glue_outputs, glue_already, glue_notes = _glue.plan(
             model, selected=lambda n: _matches(n, include) and not _matches(n, exclude),
             skip=lambda m: isinstance(m, QuantMixin) or id(m) in targets,
-            will_be_quantized=lambda m: isinstance(m, QuantMixin) or id(m) in targets)
+            will_be_quantized=will_be_quantized, graphs=graphs)
+        if not glue:
+            glue_plans, glue_outputs, glue_already, glue_notes = [], [], [], []
+        if unsigned_after_relu:
+            unsigned = _glue.unsigned_inputs(model, graphs, glue_plans, will_be_quantized)
+    if glue:
         glue_plans = [p for p in glue_plans if not any(_matches(q, exclude) for q in p.quantizer_paths())]
         glue_outputs = [o for o in glue_outputs if not _matches(o.path, exclude)]
         for name, m in model.named_modules():
@@ -536,6 +549,8 @@ def quantize_model(
                 qw = descs.get("weight", qw)
         if not getattr(t.quant_cls, "_has_weight", True):
             qw = None
+        if f"{t.name}._input_quantizer" in unsigned:
+            qi = _unsigned_desc(qi if qi is not None else t.quant_cls.default_quant_desc_input)
         try:
             t.new = t.quant_cls.from_float(t.module, qi, qw)
         except DescriptorTypeError:
@@ -552,7 +567,8 @@ def quantize_model(
         for pattern, descs in rules:
             if _matches(path, [pattern]):
                 d = descs.get("input", d)
-        return d if d is not None else quant_nn.QuantAdd.default_quant_desc_input
+        d = d if d is not None else quant_nn.QuantAdd.default_quant_desc_input
+        return _unsigned_desc(d) if path in unsigned else d
 
     for p in glue_plans:
         try:
@@ -593,6 +609,13 @@ def quantize_model(
                 m.use_nested_tensor = False
                 notes.append(f"{name or 'model'}: nested-tensor fast path turned off (it would bypass the quantizers)")
     return QuantizationSummary(layers, notes)
+
+
+def _unsigned_desc(d):
+    """``d`` on the unsigned grid, where that is an 8-bit integer per-tensor quantizer (else ``d``)."""
+    if d is None or d.is_fp8 or d.unsigned or d.num_bits != 8 or d.axis is not None or d.block_sizes:
+        return d
+    return type(d)(**{**d.dict(), "unsigned": True})
 
 
 def dequantize_model(model: nn.Module) -> nn.Module:

@@ -20,6 +20,8 @@ from lq.export import export_onnx
 from lq.glue import GlueQuantized
 from lq.tensor_quant import fake_tensor_quant
 
+from _models import BNBlock
+
 
 class Block(nn.Module):
     """A residual block as people write it: plain ``+``."""
@@ -231,16 +233,6 @@ class TinyResNet(nn.Module):
 
     def forward(self, x):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1), 1))
-
-
-class BNBlock(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + x)
 
 
 def _trained_bn(m):

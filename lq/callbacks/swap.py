@@ -57,6 +57,7 @@ class QuantSwap(L.Callback):
             quant_desc_input=self._input_cfg(q.input).to_descriptor(),
             quant_desc_weight=q.weight.to_descriptor(),
             glue=q.glue,
+            unsigned_after_relu=q.unsigned_after_relu,
         )
         name_quantizers(model, overwrite=True)
         self._apply_enabled(model)

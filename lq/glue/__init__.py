@@ -118,11 +118,21 @@ def _tie(parent: nn.Module, graph: fx.Graph, will_be_quantized):
     return tie
 
 
+def unsigned_inputs(model: nn.Module, graphs: dict, plans: list[GluePlan], will_be_quantized) -> set[str]:
+    """Paths of the input quantizers (layers' and glue's) that only ever see values >= 0 (after a ReLU):
+    :mod:`lq.glue._nonneg`. Run on the traced graphs before :meth:`GluePlan.build` changes them."""
+    from lq.glue._nonneg import NonNegative
+
+    sites = {id(p.module): (p.name, p.sites) for p in plans}
+    return NonNegative(model, graphs, sites, will_be_quantized).unsigned()
+
+
 def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.Module], bool],
-         will_be_quantized: Callable[[nn.Module], bool]):
+         will_be_quantized: Callable[[nn.Module], bool], graphs: dict | None = None):
     """``(plans, outputs, already, notes)``: modules whose forward has glue to quantize, layers whose output a
     float op reads (:mod:`lq.glue._outputs`), names of modules that already have glue quantizers, and one
-    note per module that may hold glue but cannot be analysed."""
+    note per module that may hold glue but cannot be analysed. ``graphs``: filled with ``{id(module): its
+    traced forward}`` for every module traced."""
     plans, already = [], []
     outputs: dict[int, OutputSite] = {}
 
@@ -140,6 +150,8 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
         if skip(m) or _is_library(m) or not selected(name):
             continue
         graph, why = trace(m)
+        if graph is not None and graphs is not None:
+            graphs[id(m)] = graph
         if graph is None:
             if _may_have_glue(m):
                 refused.setdefault((type(m), why), []).append(name or "the model")

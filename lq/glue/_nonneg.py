@@ -1,0 +1,150 @@
+"""Which activation quantizers only ever see values >= 0 (a ReLU's output, pooled or reshaped): ``unsigned``.
+
+A quantizer after a ReLU spends half of a signed grid on values that never occur, and onnxruntime has to
+keep the ReLU as an integer ``Max`` between its fused kernels. On the unsigned grid ``[0, 255]`` the same
+range gets twice the steps, and the ReLU disappears in the export: a conv's output quantized to uint8 with
+zero point 0 *is* its ReLU (onnxruntime's own ``quantize_static`` files look like that). TensorRT takes
+int8 only, so this is part of the onnxruntime recipe (``QuantConfig.unsigned_after_relu``), not a default.
+
+The analysis follows values through the module tree as the forwards call it, with the same per-module
+fx graphs the glue uses: a module's output is non-negative when its forward returns a ReLU (ReLU6) of
+something, or a pooling / reshape / concatenation / sum of non-negative values; a child called with a
+non-negative argument sees a non-negative first input. A quantizer becomes unsigned only when every call
+that reaches it is non-negative; anything unknown (an untraceable module, a library forward) counts as
+possibly negative.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from lq.glue._rules import TIED_LAYERS
+
+#: outputs >= 0 whatever the input
+_RELUS_MODULES = (nn.ReLU, nn.ReLU6)
+_RELUS_FUNCTIONS = {F.relu, torch.relu, F.relu6}
+_RELUS_METHODS = {"relu", "relu_"}
+#: outputs >= 0 when the (first) input is
+_KEEP_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+                 nn.AdaptiveMaxPool3d, nn.Flatten, nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d,
+                 nn.Dropout3d)
+#: quantized by lq (an ``_input_quantizer``) and sign-keeping
+_POOL_MODULES = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+                 nn.AdaptiveAvgPool3d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
+#: quantized by lq with one ``_input_quantizer`` on their (first) input
+_INPUT_QUANTIZED = TIED_LAYERS + (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d) + _POOL_MODULES
+_KEEP_FUNCTIONS = {F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d,
+                   F.adaptive_max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
+                   F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.dropout, torch.flatten, torch.reshape,
+                   torch.permute, torch.transpose, torch.squeeze, torch.unsqueeze, torch.mean,
+                   operator.getitem}
+_KEEP_METHODS = {"flatten", "reshape", "view", "permute", "transpose", "contiguous", "squeeze", "unsqueeze",
+                 "mean", "clone", "__getitem__"}
+_SUMS = {operator.add, torch.add, torch.cat, torch.concat, torch.concatenate}
+
+_INPUT = "_input_quantizer"
+
+
+class NonNegative:
+    """Votes per quantizer path: was every value it quantized non-negative?"""
+
+    def __init__(self, model: nn.Module, graphs: dict[int, fx.Graph], sites: dict[int, tuple[str, list]],
+                 will_be_quantized):
+        self.model = model
+        self.graphs = graphs  # id(module) -> its traced forward
+        self.sites = sites  # id(module) -> (module path, its glue sites)
+        self.will_be_quantized = will_be_quantized
+        self.votes: dict[str, bool] = {}
+        self._active: set[int] = set()
+
+    def _vote(self, path: str, nonneg: bool) -> None:
+        self.votes[path] = self.votes.get(path, True) and nonneg
+
+    def unsigned(self) -> set[str]:
+        """Quantizer paths every call of which was non-negative."""
+        self.module(self.model, "", False)
+        return {p for p, ok in self.votes.items() if ok}
+
+    # ------------------------------------------------------------------ modules
+    def module(self, m: nn.Module, path: str, nonneg_in: bool) -> bool:
+        """Whether ``m``'s output is non-negative, given whether its first input is."""
+        if isinstance(m, _RELUS_MODULES):
+            return True
+        if isinstance(m, _INPUT_QUANTIZED) and self.will_be_quantized(m):
+            self._vote(f"{path}.{_INPUT}" if path else _INPUT, nonneg_in)
+            return nonneg_in and isinstance(m, _POOL_MODULES)
+        if isinstance(m, _KEEP_MODULES + _POOL_MODULES):
+            return nonneg_in
+        if type(m) is nn.Sequential:
+            for name, child in m._modules.items():
+                nonneg_in = self.module(child, f"{path}.{name}" if path else name, nonneg_in)
+            return nonneg_in
+        graph = self.graphs.get(id(m))
+        if graph is None or id(m) in self._active:
+            self._unreached(m, path)
+            return False
+        self._active.add(id(m))
+        try:
+            return self.graph(m, path, graph, nonneg_in)
+        finally:
+            self._active.discard(id(m))
+
+    def _unreached(self, m: nn.Module, path: str) -> None:
+        """A module whose forward lq cannot follow: the quantizers below it may see anything."""
+        for name, sub in m.named_modules():
+            if isinstance(sub, _INPUT_QUANTIZED):
+                full = ".".join(p for p in (path, name) if p)
+                self._vote(f"{full}.{_INPUT}" if full else _INPUT, False)
+
+    # ------------------------------------------------------------------ one forward
+    def graph(self, m: nn.Module, path: str, graph: fx.Graph, nonneg_in: bool) -> bool:
+        prefix, sites = self.sites.get(id(m), (path, []))
+        by_node = {s.node: s for s in sites}
+        env: dict[fx.Node, bool] = {}
+        first = True
+        for n in graph.nodes:
+            if n.op == "placeholder":
+                env[n] = nonneg_in and first
+                first = False
+                continue
+            if n.op == "output":
+                out = n.args[0]
+                return isinstance(out, fx.Node) and env.get(out, False)
+            a0 = n.args[0] if n.args else None
+            arg_nonneg = isinstance(a0, fx.Node) and env.get(a0, False)
+            site = by_node.get(n)
+            if site is not None:
+                ops = list(dict.fromkeys(site.operands))
+                for op, own in zip(ops, site.operand_names()):
+                    if own is not None:
+                        self._vote(f"{prefix}.lq_glue.{own}" if prefix else f"lq_glue.{own}", env.get(op, False))
+            if n.op == "call_module":
+                child = m.get_submodule(n.target)
+                env[n] = self.module(child, f"{path}.{n.target}" if path else n.target, arg_nonneg)
+            elif n.op == "call_function" and n.target in _RELUS_FUNCTIONS or \
+                    n.op == "call_method" and n.target in _RELUS_METHODS:
+                env[n] = True
+            elif n.op == "call_function" and n.target in _KEEP_FUNCTIONS or \
+                    n.op == "call_method" and n.target in _KEEP_METHODS:
+                env[n] = arg_nonneg
+            elif n.op == "call_function" and n.target in _SUMS or n.op == "call_method" and n.target == "add":
+                tensors = _tensor_args(n)
+                env[n] = bool(tensors) and all(env.get(t, False) for t in tensors) and not n.kwargs.get("alpha")
+            else:
+                env[n] = False
+        return False
+
+
+def _tensor_args(n: fx.Node) -> list[fx.Node]:
+    if n.target in (torch.cat, torch.concat, torch.concatenate):
+        seq = n.args[0] if n.args else n.kwargs.get("tensors", ())
+        return [t for t in seq if isinstance(t, fx.Node)] if isinstance(seq, (list, tuple)) else []
+    args = list(n.args[:2])
+    if any(not isinstance(a, fx.Node) for a in args):
+        return []  # x + 1.0 ... : the constant's sign is not tracked
+    return args
