@@ -5,8 +5,8 @@
 The network: a small ResNet-style CNN on 32x32 RGB inputs (conv-bn-relu stem,
 two residual blocks with the add quantized by ``QuantAdd``, a strided
 conv-bn-relu, global average pool, linear head), 32-64 channels. lq converts
-it with ``quantize_model`` (per-tensor int8 inputs, per-channel int8 weights;
-``--unsigned-relu`` uses unsigned quantizers where an input comes from a ReLU),
+it with ``quantize_model`` (per-tensor int8 inputs, per-channel int8 weights; the
+``int8_reduce_range`` recipe: 7-bit weights, unsigned quantizers where an input comes from a ReLU),
 calibrates with max on random batches and exports with ``lq.export.export_onnx``.
 The same float network is exported in FP32 and quantized by
 ``onnxruntime.quantization.quantize_static`` (QDQ, per-channel, the reference).
@@ -87,22 +87,17 @@ def calibration_batches(n: int = 8, batch: int = 32, seed: int = 1):
     return [torch.randn(batch, 3, 32, 32, generator=g) for _ in range(n)]
 
 
-def quantize_and_calibrate(model: nn.Module, batches, unsigned_relu: bool = False,
-                           reduce_range: bool = False) -> nn.Module:
-    """lq's PTQ: quantize_model + max calibration (per-tensor inputs, per-channel weights; 7-bit weights of
-    the ``Int8ReduceRangeConfig`` recipe with ``reduce_range``)."""
+def quantize_and_calibrate(model: nn.Module, batches, reduce_range: bool = False) -> nn.Module:
+    """lq's PTQ: quantize_model + max calibration (per-tensor inputs, per-channel weights; with
+    ``reduce_range`` the ``Int8ReduceRangeConfig`` recipe: 7-bit weights, unsigned inputs after ReLU)."""
     from lq.calibration import calibrate_model
     from lq.config import Int8ReduceRangeConfig
     from lq.convert import quantize_model
 
-    overrides = None
-    if unsigned_relu:
-        # inputs that read a ReLU output: unsigned int8 (uint8), which onnxruntime fuses with the ReLU
-        u8 = {"input": {"num_bits": 8, "unsigned": True}}
-        overrides = {"block1.conv1": u8, "block1.conv2": u8, "down.0": u8, "block2.conv1": u8,
-                     "block2.conv2": u8, "pool": u8, "head": u8}
-    wdesc = Int8ReduceRangeConfig().weight.to_descriptor() if reduce_range else None
-    quantize_model(model, overrides=overrides, quant_desc_weight=wdesc)
+    recipe = Int8ReduceRangeConfig()
+    wdesc = recipe.weight.to_descriptor() if reduce_range else None
+    quantize_model(model, quant_desc_weight=wdesc,
+                   unsigned_after_relu=reduce_range and recipe.unsigned_after_relu)
     model.eval()
     with torch.no_grad():
         calibrate_model(model, batches, method="max")
@@ -202,7 +197,7 @@ ORT_U8S8 = "ORT quantize_static u8s8"
 ORT_U8U8 = "ORT quantize_static u8u8"
 
 
-def build_contenders(float_model: nn.Module, batches, d: str, unsigned_relu: bool = False, dynamo: bool = True,
+def build_contenders(float_model: nn.Module, batches, d: str, dynamo: bool = True,
                      input_shape=(3, 32, 32)) -> tuple[dict, list[str]]:
     """The FP32 export and four INT8 files of one float model: lq with 8-bit weights (default recipe), lq
     with the reduce-range recipe, onnxruntime's quantize_static with its default u8s8 and with u8u8.
@@ -217,8 +212,7 @@ def build_contenders(float_model: nn.Module, batches, d: str, unsigned_relu: boo
     export_fp32(float_model, paths[FP32], input_shape)
     notes = []
     for label, rr in ((LQ_DEFAULT, False), (LQ_REDUCE, True)):
-        q = quantize_and_calibrate(copy.deepcopy(float_model), batches, unsigned_relu=unsigned_relu,
-                                   reduce_range=rr)
+        q = quantize_and_calibrate(copy.deepcopy(float_model), batches, reduce_range=rr)
         t = time.perf_counter()
         res = export_onnx(q, batches[0], paths[label], dynamo=dynamo)
         notes.append(f"{label}: export {time.perf_counter() - t:.2f} s, max |ORT - PyTorch fake-quant| "
@@ -246,7 +240,6 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7, help="timed runs per measurement (median reported)")
     ap.add_argument("--min-time", type=float, default=0.2, help="seconds per timed run")
     ap.add_argument("--channels", type=int, default=32)
-    ap.add_argument("--unsigned-relu", action="store_true", help="unsigned quantizers on ReLU outputs")
     ap.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
     ap.add_argument("--dynamo", type=int, default=1, help="1: current torch.onnx exporter, 0: legacy")
     args = ap.parse_args(argv)
@@ -260,8 +253,7 @@ def main(argv=None) -> int:
     batches = calibration_batches()
 
     with tempfile.TemporaryDirectory() as d:
-        models, notes = build_contenders(float_model, batches, d, unsigned_relu=args.unsigned_relu,
-                                         dynamo=bool(args.dynamo))
+        models, notes = build_contenders(float_model, batches, d, dynamo=bool(args.dynamo))
         from lq.export._verify import make_session
 
         held_out = calibration_batches(1, 32, seed=99)[0]

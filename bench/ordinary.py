@@ -191,14 +191,16 @@ def ort_accuracy(path: str, x, y) -> float:
 
 # =========================================================================== one model
 def lq_ptq(model: nn.Module, batches, reduce_range: bool) -> nn.Module:
-    """lq's default path as a user calls it: quantize_model, then max calibration."""
+    """lq's path as a user calls it: quantize_model (with ``reduce_range``: the ``int8_reduce_range`` recipe,
+    7-bit weights and unsigned inputs after ReLU), then max calibration."""
     from lq.calibration import calibrate_model
     from lq.config import Int8ReduceRangeConfig
     from lq.convert import quantize_model
 
     q = copy.deepcopy(model)
-    wdesc = Int8ReduceRangeConfig().weight.to_descriptor() if reduce_range else None
-    quantize_model(q, quant_desc_weight=wdesc)
+    recipe = Int8ReduceRangeConfig()
+    wdesc = recipe.weight.to_descriptor() if reduce_range else None
+    quantize_model(q, quant_desc_weight=wdesc, unsigned_after_relu=reduce_range and recipe.unsigned_after_relu)
     q.eval()
     with torch.no_grad():
         calibrate_model(q, batches, method="max")

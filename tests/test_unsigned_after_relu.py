@@ -139,3 +139,29 @@ def test_export_drops_every_relu_and_matches_pytorch(tmp_path):
     assert all(k.kernel == "QLinearConv" for (layer, op), k in kernels.items() if op == "Conv" and layer != "side")
     assert "ReduceMean" in kernels[("side", "Conv")].reason  # float, and the report says why
     assert res.max_abs_diff <= res.tolerance
+
+
+def test_a_tensor_a_signed_quantizer_also_reads_stays_on_one_grid(tmp_path):
+    """``lq.nn.FloatAdd`` quantizes both operands with one (signed: a conv output is one of them) quantizer;
+    its ReLU operand is also the next conv's input. Both stay signed, so the export computes the ReLU's
+    producer once (an unsigned conv input would need a second copy of it, one per grid)."""
+    pytest.importorskip("onnxruntime")
+    import onnx
+
+    from lq.nn import FloatAdd
+
+    class Residual(nn.Module):
+        def __init__(self, c=8):
+            super().__init__()
+            self.conv1, self.conv2, self.add = nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=1), FloatAdd()
+
+        def forward(self, x):
+            return F.relu(self.add(self.conv2(F.relu(self.conv1(x))), x))
+
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), Residual(), Residual()).eval()
+    quantize_model(m, quant_desc_weight=Int8ReduceRangeConfig().weight.to_descriptor(), unsigned_after_relu=True)
+    assert _unsigned(m) == ["2.conv2._input_quantizer", "3.conv2._input_quantizer"]
+    x = torch.randn(8, 3, 12, 12)
+    calibrate_model(m, [x], method="max")
+    export_onnx(m, x[:4], str(tmp_path / "m.onnx"))
+    assert not [n.name for n in onnx.load(str(tmp_path / "m.onnx")).graph.node if "_copy" in n.name]

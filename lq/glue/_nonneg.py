@@ -11,7 +11,9 @@ fx graphs the glue uses: a module's output is non-negative when its forward retu
 something, or a pooling / reshape / concatenation / sum of non-negative values; a child called with a
 non-negative argument sees a non-negative first input. A quantizer becomes unsigned only when every call
 that reaches it is non-negative; anything unknown (an untraceable module, a library forward) counts as
-possibly negative.
+possibly negative. A tensor is quantized on one grid: when several quantizers read it and one of them stays
+signed (``lq.nn.FloatAdd``'s shared quantizer over a ReLU output and a conv output), they all do, or the
+export would have to compute the tensor's producer twice, once per grid.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ _KEEP_METHODS = {"flatten", "reshape", "view", "permute", "transpose", "contiguo
 _SUMS = {operator.add, torch.add, torch.cat, torch.concat, torch.concatenate}
 
 _INPUT = "_input_quantizer"
+
+
+def _joins():
+    """lq's explicit join modules: one shared input quantizer over all their operands."""
+    from lq.nn.modules.quant_elementwise import FloatAdd, FloatCat
+
+    return FloatAdd, FloatCat
 
 
 class NonNegative:
@@ -106,26 +115,42 @@ class NonNegative:
         prefix, sites = self.sites.get(id(m), (path, []))
         by_node = {s.node: s for s in sites}
         env: dict[fx.Node, bool] = {}
+        readers: dict[fx.Node, list[str]] = {}  # tensor -> the quantizers that read it here
         first = True
+        out = False
         for n in graph.nodes:
             if n.op == "placeholder":
                 env[n] = nonneg_in and first
                 first = False
                 continue
             if n.op == "output":
-                out = n.args[0]
-                return isinstance(out, fx.Node) and env.get(out, False)
+                res = n.args[0]
+                out = isinstance(res, fx.Node) and env.get(res, False)
+                break
             a0 = n.args[0] if n.args else None
             arg_nonneg = isinstance(a0, fx.Node) and env.get(a0, False)
             site = by_node.get(n)
             if site is not None:
                 ops = list(dict.fromkeys(site.operands))
                 for op, own in zip(ops, site.operand_names()):
+                    q = f"{prefix}.lq_glue.{own}" if prefix else f"lq_glue.{own}"
                     if own is not None:
-                        self._vote(f"{prefix}.lq_glue.{own}" if prefix else f"lq_glue.{own}", env.get(op, False))
+                        self._vote(q, env.get(op, False))
+                        readers.setdefault(op, []).append(q)
             if n.op == "call_module":
                 child = m.get_submodule(n.target)
-                env[n] = self.module(child, f"{path}.{n.target}" if path else n.target, arg_nonneg)
+                child_path = f"{path}.{n.target}" if path else n.target
+                q = f"{child_path}.{_INPUT}"
+                if isinstance(child, _joins()) and self.will_be_quantized(child):
+                    tensors = [t for t in _flat(n.args) if isinstance(t, fx.Node)]
+                    env[n] = bool(tensors) and all(env.get(t, False) for t in tensors)
+                    self._vote(q, env[n])
+                    for t in tensors:
+                        readers.setdefault(t, []).append(q)
+                    continue
+                if isinstance(child, _INPUT_QUANTIZED) and self.will_be_quantized(child) and isinstance(a0, fx.Node):
+                    readers.setdefault(a0, []).append(q)
+                env[n] = self.module(child, child_path, arg_nonneg)
             elif n.op == "call_function" and n.target in _RELUS_FUNCTIONS or \
                     n.op == "call_method" and n.target in _RELUS_METHODS:
                 env[n] = True
@@ -137,7 +162,18 @@ class NonNegative:
                 env[n] = bool(tensors) and all(env.get(t, False) for t in tensors) and not n.kwargs.get("alpha")
             else:
                 env[n] = False
-        return False
+        for qs in readers.values():  # one grid per tensor
+            if any(not self.votes.get(q, True) for q in qs):
+                for q in qs:
+                    self._vote(q, False)
+        return out
+
+
+def _flat(args) -> list:
+    out = []
+    for a in args:
+        out.extend(_flat(a) if isinstance(a, (list, tuple)) else [a])
+    return out
 
 
 def _tensor_args(n: fx.Node) -> list[fx.Node]:
