@@ -1,5 +1,5 @@
-"""CI smoke run of the evidence harness: ``python -m bench.accuracy --fast``, ``python -m bench.speed --fast``
-and ``python -m bench.ordinary --fast``.
+"""CI smoke run of the evidence harness: ``python -m bench.accuracy --fast``, ``python -m bench.speed --fast``,
+``python -m bench.ordinary --fast`` and ``python -m bench.conv_kernels --fast``.
 
 Both commands run as a user would run them (subprocesses, side by side), write their markdown and JSON
 into a temporary folder, and the outputs must have the expected rows with sane values. The numbers of
@@ -76,6 +76,7 @@ def runs(tmp_path_factory):
                      "--datasets", *datasets],
         "speed": [sys.executable, "-m", "bench.speed", "--fast", "--out", str(out / "speed")],
         "ordinary": [sys.executable, "-m", "bench.ordinary", "--fast", "--out", str(out / "ordinary")],
+        "conv_kernels": [sys.executable, "-m", "bench.conv_kernels", "--fast", "--out", str(out / "conv_kernels")],
     }
     procs = {k: subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for k, c in cmds.items()}
@@ -203,3 +204,15 @@ def test_ordinary_fast(runs):
             assert _finite(r["speedup"][recipe]["median"]) and r["speedup"][recipe]["median"] > 0
     md = (out / "ordinary" / "ordinary.md").read_text()
     assert "## Targets" in md and "(CPU: " in md and "Command: `python -m bench.ordinary --fast" in md
+
+
+def test_conv_kernels_fast(runs):
+    """The measurement behind the float-by-choice rule runs: every case timed in FP32 and as QLinearConv."""
+    out, logs, _ = runs
+    res = _load(out / "conv_kernels" / "conv_kernels.json")
+    assert len(res["rows"]) == 4
+    for r in res["rows"]:
+        assert r["int8_op"] == "QLinearConv" and r["fp32_op"] in ("Conv", "FusedConv"), r
+        assert _finite(r["fp32_ms"]) and _finite(r["int8_ms"]) and r["fp32_ms"] > 0 and r["int8_ms"] > 0
+    md = (out / "conv_kernels" / "conv_kernels.md").read_text()
+    assert "(CPU: " in md and "Command: `python -m bench.conv_kernels --fast" in md

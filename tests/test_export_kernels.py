@@ -8,6 +8,7 @@ the PyTorch model computes with its quantizers off (else the reported speed-up c
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from torch import nn
@@ -44,7 +45,7 @@ class GroupNormNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.c1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.c1 = nn.Conv2d(8, 16, 3, padding=1)
         self.gn = nn.GroupNorm(4, 16)
         self.fc = nn.Linear(16, 10)
 
@@ -81,7 +82,7 @@ def test_integer_kernels_match_onnxruntimes_optimized_graph(tmp_path):
 
 
 def test_float_layer_is_reported_with_its_reason(tmp_path):
-    x = torch.randn(4, 3, 16, 16)
+    x = torch.randn(4, 8, 16, 16)
     res = _export(_quantized(GroupNormNet(), x, glue=False), x, tmp_path)
     c1 = next(k for k in res.layer_kernels if k.layer == "c1")
     assert c1.kernel not in INT8_KERNELS and c1.kernel in optimized_op_counts(res.path)
@@ -92,7 +93,7 @@ def test_float_layer_is_reported_with_its_reason(tmp_path):
 
 def test_float_twin_is_the_model_without_quantizers(tmp_path, monkeypatch):
     """The FP32 graph timed against the INT8 file computes the PyTorch model with quantization off."""
-    x = torch.randn(4, 3, 16, 16)
+    x = torch.randn(4, 8, 16, 16)
     model = _quantized(GroupNormNet(), x, glue=False)
     seen = {}
     real = _timing.speedup
@@ -115,7 +116,7 @@ def test_float_twin_is_the_model_without_quantizers(tmp_path, monkeypatch):
 
 
 def test_slower_than_fp32_warns_with_ratio_and_float_layers(tmp_path, monkeypatch):
-    x = torch.randn(4, 3, 16, 16)
+    x = torch.randn(4, 8, 16, 16)
     monkeypatch.setattr(_timing, "speedup", lambda *a, **k: (0.52, 2.0, 1.04))
     res = _export(_quantized(GroupNormNet(), x, glue=False), x, tmp_path)
     slow = [w for w in res.warnings if "the speed of FP32" in w]
@@ -131,7 +132,7 @@ def test_no_slowdown_warning_when_faster(tmp_path, monkeypatch):
 
 
 def test_quantizer_table_gets_the_kernel_column(tmp_path):
-    x = torch.randn(4, 3, 16, 16)
+    x = torch.randn(4, 8, 16, 16)
     model = _quantized(GroupNormNet(), x, glue=False)
     res = _export(model, x, tmp_path)
     rows = report.with_kernels(report.quantizer_rows(model), res)
@@ -162,3 +163,61 @@ def test_split_attention_weights_still_run_integer_matmuls(tmp_path):
     res = _export(_quantized(AttentionNet(), x), x, tmp_path)
     attn = [k for k in res.layer_kernels if k.layer.startswith("attn") and k.op == "MatMul"]
     assert len(attn) == 6 and all(k.integer for k in attn), [(k.layer, k.kernel, k.reason) for k in attn]
+
+
+class DepthwiseNet(nn.Module):
+    """A 1-channel stem and a depthwise conv, each read by GroupNorm: onnxruntime's float conv is faster there."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 16, 3, padding=1)
+        self.gn1 = nn.GroupNorm(4, 16)
+        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.gn2 = nn.GroupNorm(4, 16)
+        self.pw = nn.Conv2d(16, 16, 1)
+        self.gn3 = nn.GroupNorm(4, 16)
+
+    def forward(self, x):
+        y = nn.functional.silu(self.gn1(self.stem(x)))
+        y = nn.functional.silu(self.gn2(self.dw(y)))
+        return self.gn3(self.pw(y))
+
+
+def test_depthwise_and_thin_stem_run_float_by_choice_with_the_same_numbers(tmp_path):
+    """No output quantizer on the stem and the depthwise conv (the pointwise conv gets one); the export stores
+    their dequantized weights as float, onnxruntime runs its float conv, the report says why, and the file
+    still equals PyTorch fake-quant (within the export's bound) with every optimization on and off (no
+    onnxruntime pass re-quantized the float weights)."""
+    x = torch.randn(4, 1, 16, 16)
+    model = _quantized(DepthwiseNet(), x)
+    assert not hasattr(model.stem, "_output_quantizer") and not hasattr(model.dw, "_output_quantizer")
+    assert hasattr(model.pw, "_output_quantizer")
+    res = _export(model, x, tmp_path)
+    kernels = {k.layer: k for k in res.layer_kernels}
+    for name in ("stem", "dw"):
+        assert kernels[name].by_choice and kernels[name].kernel == "Conv", kernels[name]
+        assert "input channels per group" in res.kernel_of(name)
+    assert kernels["pw"].kernel == "QLinearConv"
+    ops = optimized_op_counts(res.path)
+    assert ops.get("QLinearConv") == 1 and "DequantizeLinear" in ops
+    g = onnx.load(res.path).graph
+    assert len([i for i in g.initializer if "float_by_choice" in i.name]) == 2
+    with torch.no_grad():
+        want = model(x).numpy()
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        assert np.abs(_run(res.path, x, level) - want).max() <= res.tolerance  # the export's bound (two steps)
+    # where no output quantizer follows, the float conv is PyTorch's fake-quant conv to float rounding, fused
+    # or not (onnxruntime re-quantizing the float weights per tensor would be off by ~1e-2 here)
+    thin = _quantized(nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16)), x)
+    res = export_onnx(thin, x, str(tmp_path / "thin.onnx"))
+    assert res.layer_kernels[0].by_choice
+    with torch.no_grad():
+        want = thin(x).numpy()
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        np.testing.assert_allclose(_run(res.path, x, level), want, rtol=1e-4, atol=1e-4)
+
+
+def _run(path, x, level):
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = level
+    return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"]).run(None, {"input": x.numpy()})[0]

@@ -342,7 +342,7 @@ class NormAfterConv(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)  # >= 4 input channels: an integer conv in onnxruntime
         self.norm = nn.GroupNorm(2, 8)
         self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 10))
 
@@ -361,7 +361,7 @@ def test_layers_read_by_float_ops_get_output_quantizers_and_fuse(tmp_path):
     assert "mlp.2._output_quantizer" not in summary.quantized  # a model output: nothing float reads it
     assert summary["conv._output_quantizer"].type == "output -> GroupNorm"
     assert [type(c).__name__ for c in m.mlp] == ["QuantLinear", "GELU", "QuantLinear"]  # indexing untouched
-    x = torch.randn(4, 3, 10, 10)
+    x = torch.randn(4, 4, 10, 10)
     calibrate_model(m, [x])
     with torch.no_grad():  # the conv's output, quantized by hand with the output quantizer's amax
         want = _fq(m.conv._conv_forward(m.conv._input_quantizer(x), m.conv._weight_quantizer(m.conv.weight),

@@ -18,8 +18,8 @@ import numpy as np
 import onnx
 import torch
 
-from lq.export import (_finish, _float_twin, _fold_bn, _fold_constants, _int16, _kernel_report, _loop_ops, _loops,
-                       _lower, _placement, _symbolic, _timing, _verify)
+from lq.export import (_finish, _float_convs, _float_twin, _fold_bn, _fold_constants, _int16, _kernel_report,
+                       _loop_ops, _loops, _lower, _placement, _symbolic, _timing, _verify)
 from lq.export._kernel_report import LayerKernel
 from lq.export._fold_bn import FoldRecord
 from lq.export._ir import ExportError, Graph, QuantNodeInfo, all_nodes, layer_name
@@ -534,6 +534,7 @@ def export_onnx(
     infos: list[QuantNodeInfo] = []
     folds: list[FoldRecord] = []
     u8_weights: list[str] = []
+    float_by_choice: list[str] = []
     lower_opts = _lower.LowerOptions(opset=opset, weight_format=weight_format,
                                      activation_dtype="uint8" if target == "onnxruntime" else "int8",
                                      narrow_clamp=target == "onnxruntime")
@@ -551,6 +552,7 @@ def export_onnx(
             _placement.dedupe_quantizers(g)
             _placement.split_shared_producers(g)
             _placement.hoist_quantizers(g, relu_to_unsigned=True)
+            float_by_choice.extend(_float_convs.float_small_convs(g))
             _placement.quantize_bias(g)
         _placement.dedupe_quantizers(g)
         if target == "onnxruntime":

@@ -10,11 +10,17 @@ missing around it for onnxruntime's QDQ fusion (an unquantized input, or an outp
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import onnx
 
 from lq.export._ir import Graph, as_model
+from lq.export._rules import FLOAT_BY_CHOICE, ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP
 from lq.export._verify import INT8_KERNELS
+
+#: the reason of a conv the export left float on purpose (:mod:`lq.export._float_convs`)
+BY_CHOICE = (f"float by choice: fewer than {ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP} input channels per group "
+             "(depthwise or a 1-3 channel stem), where onnxruntime's float conv is faster than its integer one")
 
 #: exported ops a layer's kernel is reported for (the compute ops and the quantized joins/pools)
 _COMPUTE = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -34,6 +40,11 @@ class LayerKernel:
     def integer(self) -> bool:
         return self.kernel in INT8_KERNELS
 
+    @property
+    def by_choice(self) -> bool:
+        """Float because the export chose the faster float kernel (not for want of a quantizer)."""
+        return self.reason == BY_CHOICE
+
     def text(self) -> str:
         return self.kernel if self.integer else f"{self.kernel} (float: {self.reason})"
 
@@ -42,6 +53,8 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: 
     """Why onnxruntime cannot fuse ``n`` into an integer kernel, read from the exported graph (None: it can).
 
     Readers are named by the PyTorch module they come from (``layer_of``) where known, else by op type."""
+    if n.op_type == "Conv" and len(n.input) > 1 and FLOAT_BY_CHOICE in n.input[1]:
+        return BY_CHOICE
     data_inputs = n.input[:2] if n.op_type in _COMPUTE else [i for i in n.input if i and not g.is_const(i)]
     if any(prod.get(i) is None or prod[i].op_type != "DequantizeLinear" for i in data_inputs):
         return "input or weight is not quantized"
@@ -74,7 +87,7 @@ def unfused_layers(model: onnx.ModelProto, layer_of: dict[str, str]) -> list[str
         for n in g.nodes:
             if n.op_type in _COMPUTE:
                 why = float_reason(n, g, prod, cons, layer_of)
-                if why:
+                if why and why != BY_CHOICE:
                     out.append(f"{layer_of.get(n.name) or n.name}: {why}")
     return out
 
@@ -96,12 +109,16 @@ def _quantized(n: onnx.NodeProto, prod: dict) -> bool:
 def _runs_as(n: onnx.NodeProto, opt_by_name: dict, opt_cons: dict, prod: dict) -> str:
     """The optimized node standing for ``n``: same name, a name onnxruntime derived from it, or the node
     that reads the same weight initializer (following a DequantizeLinear that was kept)."""
+    w = n.input[1] if len(n.input) > 1 else ""
+    if FLOAT_BY_CHOICE in w:  # onnxruntime may rename it and re-lay its weights (NCHWc): its float conv
+        return n.op_type
     if n.name in opt_by_name:
         return opt_by_name[n.name].op_type
-    derived = [m for name, m in opt_by_name.items() if n.name and name.startswith(n.name)]
+    # a name onnxruntime derived (node_conv2d -> node_conv2d_token_3), not another node's (node_conv2d_1)
+    derived = [m for name, m in opt_by_name.items()
+               if n.name and name.startswith(n.name) and not re.match(r"_\d", name[len(n.name):])]
     if derived:
         return derived[0].op_type
-    w = n.input[1] if len(n.input) > 1 else ""
     p = prod.get(w)
     source = p.input[0] if p is not None and p.op_type == "DequantizeLinear" else w
     for reader in opt_cons.get(source, []):

@@ -53,6 +53,22 @@ RULES: dict[str, OpRule] = {
 }
 
 
+#: onnxruntime (x86 MLAS) runs a conv with fewer input channels per group than this (a depthwise conv, an RGB
+#: or grayscale stem) slower as QLinearConv than as its float conv: measured by ``python -m bench.conv_kernels``
+#: (AVX-512 VNNI, INT8 over FP32 kernel time: depthwise 3x3 / 7x7 0.52-1.04x, 1-3 input channels 0.24-0.64x,
+#: 4 to 32 input channels 1.6-2.6x; docs/results/conv_kernels.md).
+#: The export gives such a conv its dequantized weights as float (the same values), so onnxruntime runs the
+#: faster float kernel, and lq.glue gives it no output quantizer of its own.
+ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP = 4
+#: marks the float weights of such a conv in the exported file (the kernel report names the reason)
+FLOAT_BY_CHOICE = "float_by_choice"
+
+
+def ort_prefers_float_conv(channels_per_group: int) -> bool:
+    """Whether onnxruntime runs a conv with this many input channels per group faster in float."""
+    return channels_per_group < ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP
+
+
 def rule(op_type: str) -> OpRule:
     """The row of ``op_type`` (an unlisted op neither commutes nor produces)."""
     return RULES.get(op_type, OpRule())

@@ -14,6 +14,7 @@ import dataclasses
 import torch.fx as fx
 from torch import nn
 
+from lq.export._rules import ort_prefers_float_conv
 from lq.glue._rules import FLOAT_READER_FUNCTIONS, FLOAT_READER_METHODS, FLOAT_READER_MODULES, OUTPUT_LAYERS
 
 ATTR = "_output_quantizer"
@@ -76,7 +77,11 @@ def sites_in_sequential(seq: nn.Sequential, prefix: str, wants) -> list[OutputSi
 
 
 def wants_output_quantizer(layer: nn.Module, will_be_quantized) -> bool:
+    """A quantized conv whose integer kernel onnxruntime would run; not a depthwise conv or a 1-3 channel stem,
+    which it runs faster in float (:func:`lq.export._rules.ort_prefers_float_conv`): an output quantizer would
+    only add a Q/DQ pair there."""
     return (isinstance(layer, OUTPUT_LAYERS) and will_be_quantized(layer)
+            and not ort_prefers_float_conv(layer.in_channels // layer.groups)
             and not has_output_quantizer(layer))
 
 

@@ -1,0 +1,141 @@
+"""Which convs onnxruntime runs faster as QLinearConv than as its float conv, by input channels per group.
+
+    python -m bench.conv_kernels [--fast] [--out DIR]
+
+The measurement behind ``lq.export._rules.ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP``: for depthwise convs
+(3x3 and 7x7) and dense convs with 1 to 32 input channels, one quantized conv (lq's
+``int8_reduce_range`` recipe, exported by ``lq.export.export_onnx`` with a quantizer after it, so
+onnxruntime fuses it into QLinearConv) against the same conv in FP32 (``torch.onnx``), batch 32, one
+thread. The conv's own kernel time comes from onnxruntime's profiler (median over runs), so the Q/DQ and
+layout ops around it do not count. The table names the CPU's ISA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from bench import _report
+
+torch.set_flush_denormal(True)
+
+#: (label, in channels, out channels, kernel, groups, spatial size)
+CASES = [
+    ("depthwise 3x3, 32 ch, 32x32", 32, 32, 3, 32, 32),
+    ("depthwise 3x3, 64 ch, 16x16", 64, 64, 3, 64, 16),
+    ("depthwise 7x7, 64 ch, 16x16", 64, 64, 7, 64, 16),
+    ("dense 3x3, 1 -> 32, 32x32", 1, 32, 3, 1, 32),
+    ("dense 3x3, 2 -> 32, 32x32", 2, 32, 3, 1, 32),
+    ("dense 3x3, 3 -> 32, 32x32", 3, 32, 3, 1, 32),
+    ("dense 3x3, 4 -> 32, 32x32", 4, 32, 3, 1, 32),
+    ("dense 3x3, 8 -> 32, 32x32", 8, 32, 3, 1, 32),
+    ("dense 1x1, 16 -> 32, 32x32", 16, 32, 1, 1, 32),
+    ("dense 1x1, 32 -> 32, 32x32", 32, 32, 1, 1, 32),
+]
+FAST = [0, 3, 5, 6]
+
+
+def _model(cin, cout, k, groups):
+    """The conv, then a ReLU and a 1x1 conv, so that a quantizer reads its output (onnxruntime fuses it)."""
+    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, groups=groups), nn.ReLU(),
+                         nn.Conv2d(cout, 8, 1)).eval()
+
+
+def _conv_ms(path: str, x: np.ndarray, runs: int, prefix: str) -> tuple[float, str]:
+    """Median kernel time of the file's first conv node in onnxruntime's profile, and its op type."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.enable_profiling = True
+    opts.profile_file_prefix = prefix
+    sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    name = sess.get_inputs()[0].name
+    for _ in range(runs):
+        sess.run(None, {name: x})
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    per_run: dict[str, list] = {}
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and \
+                e["args"]["op_name"] in ("Conv", "FusedConv", "QLinearConv"):
+            per_run.setdefault(e["name"], []).append((e["ts"], e["dur"], e["args"]["op_name"]))
+    first = min(per_run.values(), key=lambda v: v[0][0])  # the first conv of the graph
+    return float(np.median([d for _, d, _ in first[2:]])) / 1000.0, first[0][2]
+
+
+def measure(case, d: str, runs: int) -> dict:
+    from lq.calibration import calibrate_model
+    from lq.config import Int8ReduceRangeConfig
+    from lq.convert import quantize_model
+    from lq.export import export_onnx
+
+    label, cin, cout, k, groups, hw = case
+    torch.manual_seed(0)
+    model = _model(cin, cout, k, groups)
+    x = torch.randn(32, cin, hw, hw)
+    fp32, int8 = os.path.join(d, "fp32.onnx"), os.path.join(d, "int8.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x[:1],), fp32, dynamo=False, opset_version=17, input_names=["input"],
+                          dynamic_axes={"input": {0: "batch"}})
+    q = copy.deepcopy(model)
+    recipe = Int8ReduceRangeConfig()
+    quantize_model(q, quant_desc_weight=recipe.weight.to_descriptor(), unsigned_after_relu=recipe.unsigned_after_relu)
+    with torch.no_grad():
+        calibrate_model(q, [x], method="max")
+    export_onnx(q, x[:4], int8)
+    xn = x.numpy()
+    f_ms, f_op = _conv_ms(fp32, xn, runs, os.path.join(d, "p_fp32"))
+    i_ms, i_op = _conv_ms(int8, xn, runs, os.path.join(d, "p_int8"))
+    return {"case": label, "channels_per_group": cin // groups, "fp32_ms": f_ms, "int8_ms": i_ms,
+            "int8_op": i_op, "fp32_op": f_op, "speedup": f_ms / i_ms}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fast", action="store_true", help="4 cases, few runs (CI smoke run)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output folder (default docs/results, or outputs/bench_fast with --fast)")
+    args = ap.parse_args(argv)
+    out, cmd, t0 = _report.start_run(args)
+    cases = [CASES[i] for i in FAST] if args.fast else CASES
+    runs = 8 if args.fast else 40
+    rows = []
+    for case in cases:
+        with tempfile.TemporaryDirectory() as d:
+            rows.append(measure(case, d, runs))
+        r = rows[-1]
+        _report.log(f"  {r['case']}: FP32 {r['fp32_ms']:.3f} ms, {r['int8_op']} {r['int8_ms']:.3f} ms "
+                    f"({r['speedup']:.2f}x)")
+    isa = _report.cpu_isa()
+    seconds = time.perf_counter() - t0
+    _report.write_json(out / "conv_kernels.json", {"rows": rows, "machine": _report.machine(), "command": cmd,
+                                                   "seconds": seconds})
+    table = _report.table(["conv (batch 32)", "input channels per group", "FP32 conv ms", "INT8 kernel",
+                           "INT8 ms", "INT8 speed-up"],
+                          [(r["case"], r["channels_per_group"], f"{r['fp32_ms']:.3f}", r["int8_op"],
+                            f"{r['int8_ms']:.3f}", f"{r['speedup']:.2f}x") for r in rows], "lrrlrr")
+    lines = ["# Conv kernels: INT8 or float", "",
+             f"Produced by `bench/conv_kernels.py` (CPU: {isa}). One conv's kernel time in onnxruntime's profiler, "
+             "1 thread; INT8 = lq's int8_reduce_range export, which onnxruntime fuses into QLinearConv.", "",
+             table, "", "## Run", "", _report.machine_markdown(_report.machine(), cmd, seconds)]
+    md = out / "conv_kernels.md"
+    md.write_text("\n".join(lines) + "\n")
+    print(f"\nwrote {md} ({seconds:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Convs that onnxruntime runs faster in float than in INT8 get their dequantized weights as float.
+
+onnxruntime fuses ``DQ(x), DQ(w) -> Conv -> Q`` into ``QLinearConv`` whenever it can, but for a depthwise
+conv or a stem with 1-3 input channels its integer kernel is slower than its float one
+(:data:`lq.export._rules.ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP`). Replacing the weight's DequantizeLinear by
+a float initializer holding exactly what it computes (``(q - zero_point) * scale`` in float32) leaves the
+numbers unchanged and stops the fusion: onnxruntime then runs its float conv on the dequantized input. The
+input quantizer stays (it is part of the model), the bias stays float (no int32 rounding is needed).
+
+Only where a float op reads the conv's output (a GroupNorm, a SiLU ...: lq.glue gives such convs no output
+quantizer). Where the output reaches a QuantizeLinear through nothing but ReLU/Clip, onnxruntime's
+``WeightBiasQuantization`` would re-quantize float weights per tensor to fuse the conv anyway (changing
+the numbers), so those convs keep their integer weights and run as QLinearConv.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lq.export._ir import Graph, attr
+from lq.export._rules import FLOAT_BY_CHOICE, ort_prefers_float_conv
+
+
+def dequantized(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, axis: int) -> np.ndarray:
+    """What DequantizeLinear computes, in float32: ``float(q - zero_point) * scale`` (per axis if 1-D)."""
+    shape = [1] * q.ndim
+    if scale.ndim == 1:
+        shape[axis % q.ndim] = -1
+    s = scale.astype(np.float32).reshape(shape)
+    z = np.zeros((), np.int32) if zero_point is None else zero_point.astype(np.int32).reshape(shape if
+                                                                                               zero_point.ndim else ())
+    return (q.astype(np.int32) - z).astype(np.float32) * s
+
+
+def float_small_convs(g: Graph) -> list[str]:
+    """Give every Conv with fewer than 4 input channels per group float weights; returns the Conv names."""
+    prod, cons = g.producers(), g.consumers()
+    done, dropped = [], set()
+    for n in g.nodes:
+        if n.op_type != "Conv" or len(n.input) < 2:
+            continue
+        dq = prod.get(n.input[1])
+        if dq is None or dq.op_type != "DequantizeLinear" or attr(dq, "block_size", 0):
+            continue
+        q, scale = g.const(dq.input[0]), g.const(dq.input[1])
+        zp = g.const(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
+        if q is None or scale is None or q.ndim < 3 or q.dtype not in (np.int8, np.uint8):
+            continue
+        if not ort_prefers_float_conv(q.shape[1]) or _path_to_quantize(n, g, cons):
+            continue
+        w = dequantized(q, scale, zp, attr(dq, "axis", 1))
+        n.input[1] = g.add_const(f"{n.input[1]}_{FLOAT_BY_CHOICE}", w)
+        if not [u for u in cons.get(dq.output[0], []) if u is not n]:
+            dropped.add(id(dq))
+        done.append(n.name)
+    g.nodes = [n for n in g.nodes if id(n) not in dropped]
+    return done
+
+
+def _path_to_quantize(n, g: Graph, cons: dict) -> bool:
+    """``n``'s output reaches a QuantizeLinear through single-reader ReLU/Clip links only (what onnxruntime's
+    WeightBiasQuantization looks for), or is a model output."""
+    cur = n
+    while True:
+        if cur.output[0] in g.graph_outputs:
+            return True
+        users = cons.get(cur.output[0], [])
+        if len(users) != 1:
+            return False
+        if users[0].op_type == "QuantizeLinear":
+            return True
+        if users[0].op_type not in ("Relu", "Clip"):
+            return False
+        cur = users[0]
