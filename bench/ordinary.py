@@ -3,8 +3,9 @@
     python -m bench.ordinary [--fast] [--out DIR] [--epochs N]
 
 lq's own CNNs are written for it (BatchNorm after every conv, ``lq.nn.FloatAdd`` for residuals). Users'
-models are not: plain ``x + f(x)`` residuals, GroupNorm and SiLU, ``nn.MultiheadAttention``, ``nn.LSTM``.
-This bench trains four such models in FP32 on the digits data (8x8 images upsampled to 32x32 for the
+models are not: plain ``x + f(x)`` residuals, GroupNorm and SiLU, ``nn.MultiheadAttention``, ``nn.LSTM``,
+a U-Net's ``torch.cat`` of upsampled and skip tensors, PReLU.
+This bench trains six such models in FP32 on the digits data (8x8 images upsampled to 32x32 for the
 CNNs; rows as 8 tokens / time steps for the transformer and the LSTM), then for each:
 
 * lq's default path: ``quantize_model`` + max calibration, exported with ``lq.export.export_onnx``
@@ -139,11 +140,49 @@ class LSTMClassifier(nn.Module):
         return self.fc(out[:, -1])
 
 
+def _cbr(i: int, o: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True))
+
+
+class UNet(nn.Module):
+    """A small U-Net as segmentation code writes it: a VGG-style conv-BN-ReLU encoder with max pooling, a
+    decoder that upsamples (nearest) and concatenates the skip tensor; a 1x1 conv and a mean classify."""
+
+    def __init__(self, c: int = 16, classes: int = 10):
+        super().__init__()
+        self.enc1, self.enc2, self.enc3 = _cbr(1, c), _cbr(c, 2 * c), _cbr(2 * c, 4 * c)
+        self.dec2, self.dec1 = _cbr(4 * c + 2 * c, 2 * c), _cbr(2 * c + c, c)
+        self.head = nn.Conv2d(c, classes, 1)
+
+    def forward(self, x):
+        e1 = self.enc1(x)
+        e2 = self.enc2(F.max_pool2d(e1, 2))
+        e3 = self.enc3(F.max_pool2d(e2, 2))
+        d2 = self.dec2(torch.cat([F.interpolate(e3, scale_factor=2, mode="nearest"), e2], 1))
+        d1 = self.dec1(torch.cat([F.interpolate(d2, scale_factor=2, mode="nearest"), e1], 1))
+        return self.head(d1).mean((2, 3))
+
+
+class PNet(nn.Module):
+    """The shape of MTCNN's P-Net face detector: conv + PReLU blocks, a 1x1 conv head (here: digit classes)."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(1, 10, 3), nn.PReLU(10), nn.MaxPool2d(2, 2, ceil_mode=True),
+                                  nn.Conv2d(10, 16, 3), nn.PReLU(16), nn.Conv2d(16, 32, 3), nn.PReLU(32))
+        self.head = nn.Conv2d(32, classes, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x)).mean((2, 3))
+
+
 MODELS = {  # label: (constructor, input shape per sample)
     "depthwise ResNet (GroupNorm, SiLU, plain +)": (DSResNet, (1, 32, 32)),
     "ResNet (BatchNorm, plain +)": (PlainResNet, (1, 32, 32)),
     "transformer (nn.MultiheadAttention)": (MHATransformer, (1, 8, 8)),
     "LSTM (2-layer nn.LSTM)": (LSTMClassifier, (1, 8, 8)),
+    "U-Net (conv-BN-ReLU encoder, upsample + cat decoder)": (UNet, (1, 32, 32)),
+    "P-Net (conv + PReLU face-detector shape)": (PNet, (1, 32, 32)),
 }
 
 

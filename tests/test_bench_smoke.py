@@ -191,7 +191,7 @@ def test_ordinary_fast(runs):
     model, the kernel report counts its layers, and the table names the CPU."""
     out, logs, _ = runs
     res = _load(out / "ordinary" / "ordinary.json")
-    assert len(res["rows"]) == 4
+    assert len(res["rows"]) == 6
     for r in res["rows"]:
         name = r["model"]
         assert not [n for n in r["notes"] if "failed" in n], (name, r["notes"])

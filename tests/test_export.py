@@ -504,3 +504,15 @@ def test_tolerance_never_below_two_output_steps(tmp_path):
     assert res.tolerance == pytest.approx(max(0.05 * np.abs(_ref(model, _sample())).max(), 2 * step) + 1e-6,
                                           rel=1e-5)
     assert res.tolerance > 0.05 * np.abs(_ref(model, _sample())).max()  # the floor is what applies here
+
+
+def test_only_nearest_resize_lets_a_quantizer_move_across_it():
+    """Nearest upsampling picks existing values (a grid maps onto itself); linear interpolation does not."""
+    from onnx import helper
+
+    from lq.export._rules import commutes
+
+    assert commutes("Resize", helper.make_node("Resize", ["x", "", "s"], ["y"], mode="nearest"))
+    assert commutes("Resize", helper.make_node("Resize", ["x", "", "s"], ["y"]))  # the default mode
+    assert not commutes("Resize", helper.make_node("Resize", ["x", "", "s"], ["y"], mode="linear"))
+    assert not commutes("Resize")  # no node: unknown mode

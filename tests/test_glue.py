@@ -96,7 +96,9 @@ def test_plain_add_and_cat_are_quantized_without_model_changes():
         want = F.relu(_fq(inner, blk.lq_glue.add_0_a) + _fq(h, blk.conv1._input_quantizer))
         torch.testing.assert_close(blk(h), want, rtol=0, atol=0)
         assert float(blk.lq_glue.add_0_a.amax) != float(blk.conv1._input_quantizer.amax)
-    assert "block.lq_glue.add_0_a._amax" in m.state_dict() and "lq_glue.cat_0._amax" in m.state_dict()
+    assert "block.lq_glue.add_0_a._amax" in m.state_dict() and "lq_glue.cat_0_b._amax" in m.state_dict()
+    # the cat's y, which side also reads, is quantized by side's input quantizer; side(y) by the cat's own
+    assert sorted(m.lq_glue.keys()) == ["cat_0_b"] and summary["lq_glue.cat_0"].num_quantizers == 2
 
 
 def test_attention_matmuls_get_one_quantizer_per_operand_and_parameter_add_stays_float():
@@ -126,7 +128,7 @@ def test_second_call_is_idempotent_and_state_dict_round_trips():
     calibrate_model(m, [x])
     again = quantize_model(m)
     assert again.quantized == []
-    assert {r.name for r in again if r.status == "already quantized"} >= {"block.lq_glue.add_0_a", "lq_glue.cat_0"}
+    assert {r.name for r in again if r.status == "already quantized"} >= {"block.lq_glue.add_0_a", "lq_glue.cat_0_b"}
     fresh = Net().eval()
     quantize_model(fresh)
     fresh.load_state_dict(m.state_dict())  # strict: the same keys, glue quantizers included
@@ -235,11 +237,11 @@ class TinyResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1), 1))
 
 
-def _trained_bn(m):
+def _trained_bn(m, channels=3, size=12):
     m.train()
     with torch.no_grad():
         for _ in range(3):
-            m(torch.randn(8, 3, 12, 12))
+            m(torch.randn(8, channels, size, size))
     return m.eval()
 
 
@@ -461,3 +463,43 @@ def test_adds_only_float_ops_read_stay_float(tmp_path):
     # the last add feeds the head (a quantized Linear), and the first one feeds that add's operand quantizer
     assert [n for n in summary.quantized if "lq_glue" in n] == ["lq_glue.add_0", "lq_glue.add_1"]
     assert sorted(m2.lq_glue.keys()) == ["add_0_a", "add_0_b", "add_1_a", "add_1_b"]
+
+
+@pytest.mark.parametrize("method", ["max", "auto"])
+def test_unet_skip_tensor_has_one_grid_and_every_conv_is_integer(tmp_path, method):
+    """A U-Net's skip tensor is max-pooled into the next encoder conv and concatenated in the decoder: its cat
+    operand is quantized by that conv's own input quantizer (through the max pool and the nn.Sequential), so
+    the tensor has one grid whatever the calibration, the conv writing it fuses, nearest upsampling runs on
+    integers and the concat is QLinearConcat. Only the head (read by mean) is float, and the report says why."""
+    pytest.importorskip("onnxruntime")
+    from bench.ordinary import UNet
+
+    from lq.config import Int8ReduceRangeConfig
+    from lq.export import optimized_op_counts
+
+    torch.manual_seed(0)
+    m = _trained_bn(UNet(c=8), channels=1, size=16)
+    summary = quantize_model(m, quant_desc_weight=Int8ReduceRangeConfig().weight.to_descriptor(),
+                             unsigned_after_relu=True)
+    assert sorted(m.lq_glue.keys()) == ["cat_0_a", "cat_1_a"]  # the upsampled operands; the skips are tied
+    assert summary["lq_glue.cat_0"].num_quantizers == 2
+    x = torch.randn(16, 1, 16, 16)
+    calibrate_model(m, [x[:8], x[8:]], method=method)
+    h = torch.randn(2, 1, 16, 16)
+    with torch.no_grad():  # the decoder's first cat, written out: the skip e2 through enc3.0's input quantizer
+        e1 = m.enc1(h)
+        e2 = m.enc2(F.max_pool2d(e1, 2))
+        e3 = m.enc3(F.max_pool2d(e2, 2))
+        up = F.interpolate(e3, scale_factor=2, mode="nearest")
+        want = m.dec2(torch.cat([_fq(up, m.lq_glue.cat_0_a), _fq(e2, m.enc3[0]._input_quantizer)], 1))
+        d2 = m.dec2(torch.cat([m.lq_glue.cat_0_a(up), m.enc3[0]._input_quantizer(e2)], 1))
+        torch.testing.assert_close(d2, want, rtol=0, atol=0)
+    res = export_onnx(m, x[:4], str(tmp_path / "unet.onnx"))  # verified against PyTorch inside
+    import onnx
+
+    assert not [n.name for n in onnx.load(res.path).graph.node if "_copy" in n.name]
+    kernels = {k.layer: k for k in res.layer_kernels if k.op == "Conv"}
+    assert all(k.kernel == "QLinearConv" for name, k in kernels.items() if name != "head"), kernels
+    assert "ReduceMean" in kernels["head"].reason
+    ops = optimized_op_counts(res.path)
+    assert ops.get("QLinearConcat") == 2 and "Concat" not in ops and "Relu" not in ops and "Max" not in ops, ops

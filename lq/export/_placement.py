@@ -65,7 +65,7 @@ def hoist_quantizers(g: Graph, relu_to_unsigned: bool) -> int:
         prod, cons = g.producers(), g.consumers()
         did = False
         for f in list(g.nodes):
-            if not commutes(f.op_type) or f.domain not in ("", "ai.onnx"):
+            if not commutes(f.op_type, f) or f.domain not in ("", "ai.onnx"):
                 continue
             t = f.output[0]
             users = cons.get(t, [])
@@ -79,9 +79,21 @@ def hoist_quantizers(g: Graph, relu_to_unsigned: bool) -> int:
                 continue
             u_in = f.input[0]
             p = prod.get(u_in)
-            if p is None or u_in in g.graph_outputs or len(cons.get(u_in, [])) != 1:
+            others = [c for c in cons.get(u_in, []) if c is not f]
+            if others and p is not None and all(c.op_type == "QuantizeLinear" and _same_q(g, q, c) for c in others):
+                # the input is quantized on the same grid already (a U-Net skip tensor: max-pooled into the next
+                # conv and quantized for the concat): f reads that quantized value, the input keeps one reader
+                dq_out = g.fresh(f"{others[0].name}_shared_dq")
+                dq = g.make_node("DequantizeLinear", [others[0].output[0], q.input[1], q.input[2]], [dq_out],
+                                 hint=f"{others[0].name}_shared_dq", like=q)
+                f.input[0] = dq_out
+                g.nodes.insert(g.nodes.index(f), dq)
+                moved += 1
+                did = True
+                break
+            if p is None or u_in in g.graph_outputs or others:
                 continue
-            if not (produces(p.op_type) or commutes(p.op_type)):
+            if not (produces(p.op_type) or commutes(p.op_type, p)):
                 continue
             if p.op_type == "DequantizeLinear":
                 continue
@@ -257,7 +269,7 @@ def split_shared_producers(g: Graph, max_copies: int = 4) -> int:
     done = 0
     prod, cons = g.producers(), g.consumers()
     for f in list(g.nodes):
-        if not commutes(f.op_type) or f.domain not in ("", "ai.onnx"):
+        if not commutes(f.op_type, f) or f.domain not in ("", "ai.onnx"):
             continue
         t = f.output[0]
         users = cons.get(t, [])
@@ -284,7 +296,7 @@ def split_shared_producers(g: Graph, max_copies: int = 4) -> int:
             chain.insert(0, p)
             if produces(p.op_type):
                 break
-            if not commutes(p.op_type):
+            if not commutes(p.op_type, p):
                 chain = []
                 break
             cur = p

@@ -44,6 +44,8 @@ RULES: dict[str, OpRule] = {
     "Squeeze":            OpRule(True,  False, "on integers",                "on integers"),
     "Unsqueeze":          OpRule(True,  False, "on integers",                "on integers"),
     "Identity":           OpRule(True,  False, "on integers",                "on integers"),
+    # mode="nearest" only (it picks existing values); linear/cubic interpolation does not commute
+    "Resize":             OpRule(True,  False, "on uint8",                   "int8 resize"),
     # not monotone-and-grid-preserving: quantizers are never moved across these
     "PRelu":              OpRule(False, False, None,                         "fused into the producer"),
     "LeakyRelu":          OpRule(False, False, "QLinearLeakyRelu",           "fused into the producer"),
@@ -74,7 +76,14 @@ def rule(op_type: str) -> OpRule:
     return RULES.get(op_type, OpRule())
 
 
-def commutes(op_type: str) -> bool:
+def commutes(op_type: str, node=None) -> bool:
+    """Whether a quantizer may move across the op; ``node`` (the ONNX node) for ops whose attributes decide
+    it (Resize: only ``mode="nearest"``)."""
+    if op_type == "Resize":
+        if node is None:
+            return False
+        mode = next((a.s for a in node.attribute if a.name == "mode"), b"nearest")
+        return mode in (b"nearest", "nearest")
     return rule(op_type).commutes
 
 

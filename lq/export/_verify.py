@@ -113,7 +113,7 @@ def output_step(model) -> float:
     best = 0.0
     for out in model.graph.output:
         n = prod.get(out.name)
-        while n is not None and commutes(n.op_type) and n.input:
+        while n is not None and commutes(n.op_type, n) and n.input:
             n = prod.get(n.input[0])
         if n is None:
             continue

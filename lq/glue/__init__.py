@@ -23,7 +23,8 @@ from torch import nn
 from lq.glue import _outputs
 from lq.glue._outputs import OutputSite
 from lq.glue._rewrite import CHILD, GlueQuantized, GlueQuantizer, commit, glue_class, remove
-from lq.glue._rules import FUNCTIONS, METHODS, TIED_LAYERS, GlueRule
+from lq.glue._rules import (FUNCTIONS, METHODS, TIE_THROUGH_FUNCTIONS, TIE_THROUGH_METHODS, TIE_THROUGH_MODULES,
+                            TIED_LAYERS, GlueRule)
 from lq.glue._sites import Site, find_sites
 from lq.glue._trace import trace
 from lq.nn.modules.tensor_quantizer import TensorQuantizer
@@ -105,14 +106,31 @@ def _may_have_glue(m: nn.Module) -> bool:
 
 def _tie(parent: nn.Module, graph: fx.Graph, will_be_quantized):
     """``tie(node)``: the input quantizer path of the first quantized conv/linear of ``parent`` that reads
-    ``node`` as its input, or None."""
+    ``node`` as its input, directly or through grid-preserving ops (max pooling, reshapes), or None."""
 
-    def tie(node: fx.Node) -> str | None:
+    def through(u: fx.Node) -> bool:  # a grid-preserving op (max pool, reshape ...) reading its first argument
+        if u.op == "call_module":
+            return isinstance(parent.get_submodule(u.target), TIE_THROUGH_MODULES)
+        if u.op == "call_function":
+            return u.target in TIE_THROUGH_FUNCTIONS
+        return u.op == "call_method" and u.target in TIE_THROUGH_METHODS
+
+    def tie(node: fx.Node, depth: int = 0) -> str | None:
         for u in node.users:
-            if u.op == "call_module" and u.args and u.args[0] is node:
-                layer = parent.get_submodule(u.target)
+            if not (u.args and u.args[0] is node):
+                continue
+            if u.op == "call_module":
+                path, layer = u.target, parent.get_submodule(u.target)
+                while type(layer) is nn.Sequential and len(layer):  # its first child reads the input
+                    first = next(iter(layer._modules))
+                    path, layer = f"{path}.{first}", layer._modules[first]
                 if isinstance(layer, TIED_LAYERS) and will_be_quantized(layer):
-                    return f"{u.target}.{_TIED_ATTR}"
+                    return f"{path}.{_TIED_ATTR}"
+        for u in node.users:
+            if depth < 4 and u.args and u.args[0] is node and through(u):
+                found = tie(u, depth + 1)
+                if found:
+                    return found
         return None
 
     return tie

@@ -132,11 +132,13 @@ class NonNegative:
             site = by_node.get(n)
             if site is not None:
                 ops = list(dict.fromkeys(site.operands))
-                for op, own in zip(ops, site.operand_names()):
-                    q = f"{prefix}.lq_glue.{own}" if prefix else f"lq_glue.{own}"
+                for i, (op, own) in enumerate(zip(ops, site.operand_names())):
                     if own is not None:
-                        self._vote(q, env.get(op, False))
-                        readers.setdefault(op, []).append(q)
+                        q = f"{prefix}.lq_glue.{own}" if prefix else f"lq_glue.{own}"
+                    else:  # tied to a layer's input quantizer: it quantizes this operand too
+                        q = f"{prefix}.{site.tied[i]}" if prefix else site.tied[i]
+                    self._vote(q, env.get(op, False))
+                    readers.setdefault(op, []).append(q)
             if n.op == "call_module":
                 child = m.get_submodule(n.target)
                 child_path = f"{path}.{n.target}" if path else n.target
@@ -155,7 +157,7 @@ class NonNegative:
                     n.op == "call_method" and n.target in _RELUS_METHODS:
                 env[n] = True
             elif n.op == "call_function" and n.target in _KEEP_FUNCTIONS or \
-                    n.op == "call_method" and n.target in _KEEP_METHODS:
+                    n.op == "call_method" and n.target in _KEEP_METHODS or _interpolates(n):
                 env[n] = arg_nonneg
             elif n.op == "call_function" and n.target in _SUMS or n.op == "call_method" and n.target == "add":
                 tensors = _tensor_args(n)
@@ -167,6 +169,12 @@ class NonNegative:
                 for q in qs:
                     self._vote(q, False)
         return out
+
+
+def _interpolates(n: fx.Node) -> bool:
+    """``F.interpolate`` by a mode whose outputs are convex combinations of inputs (not bicubic: it overshoots)."""
+    return n.op == "call_function" and n.target in (F.interpolate, F.upsample) and \
+        n.kwargs.get("mode", "nearest") in ("nearest", "nearest-exact", "linear", "bilinear", "trilinear", "area")
 
 
 def _flat(args) -> list:

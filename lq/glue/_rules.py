@@ -9,8 +9,10 @@ rather than a module. Runtimes keep such an op in INT8 only when its inputs are 
   ``x`` of ``f(x) + x``) is quantized by that layer's own input quantizer (``TIED_LAYERS``): one scale for
   the tensor, so the producer of ``x`` ends in one fused QuantizeLinear, not in two that differ (which
   would make the export copy the producer, one per scale).
-* ``cat`` -> one quantizer shared by all inputs (``QLinearConcat``; TensorRT needs one scale): the
-  semantics of :class:`lq.nn.QuantCat`.
+* ``cat`` -> one quantizer per input, tied like an add's (``QLinearConcat`` takes a scale per input and
+  re-scales; onnxruntime's own ``quantize_static`` files do the same). A U-Net's skip tensor is also
+  max-pooled into the next encoder conv: tied to that conv's input quantizer, it has one grid, and the conv
+  that writes it fuses. (:class:`lq.nn.QuantCat` keeps one shared quantizer, for TensorRT.)
 * ``matmul`` -> one quantizer per operand (``QLinearMatMul`` / ``MatMulInteger`` with two activation
   inputs, e.g. attention scores ``q @ k.transpose(-2, -1)`` and ``attn @ v``).
 * ``pool`` (``F.adaptive_avg_pool2d``, ``F.avg_pool2d``, 1-d and 3-d too) -> one quantizer on the input, as
@@ -40,7 +42,7 @@ class GlueRule:
 
 
 ADD = GlueRule("add", shared=False)
-CAT = GlueRule("cat", shared=True)
+CAT = GlueRule("cat", shared=False)
 MATMUL = GlueRule("matmul", shared=False)
 #: ``F.scaled_dot_product_attention``: written out (lq.glue._attention) with a quantizer on q, k, the
 #: probabilities and v, so both of its matmuls run as integer matmuls
@@ -51,6 +53,13 @@ POOL = GlueRule("pool", shared=True)
 #: layers whose input quantizer an add operand shares when the layer reads the same tensor (they quantize their
 #: input per tensor with ``_input_quantizer``)
 TIED_LAYERS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
+#: ops between an operand and that layer that map a grid onto itself (max pooling, nearest upsampling,
+#: reshapes): quantizing before or after them gives the same numbers, so the tie may look through them
+TIE_THROUGH_MODULES = (torch.nn.MaxPool1d, torch.nn.MaxPool2d, torch.nn.MaxPool3d, torch.nn.Flatten,
+                       torch.nn.Identity)
+TIE_THROUGH_FUNCTIONS = {torch.nn.functional.max_pool1d, torch.nn.functional.max_pool2d,
+                         torch.nn.functional.max_pool3d, torch.flatten}
+TIE_THROUGH_METHODS = {"flatten", "view", "reshape", "contiguous"}
 
 #: call_function targets
 FUNCTIONS = {

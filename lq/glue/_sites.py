@@ -134,7 +134,7 @@ def find_sites(graph: fx.Graph, tie=None, parent=None) -> list[Site]:
         k = counts.get(rule.kind, 0)
         counts[rule.kind] = k + 1
         site = Site(n, rule, ops, f"{rule.kind}_{k}")
-        if rule.kind == "add" and tie is not None:
+        if rule.kind in ("add", "cat") and tie is not None:
             for i, op in enumerate(dict.fromkeys(ops)):
                 path = tie(op)
                 if path is not None:
