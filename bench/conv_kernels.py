@@ -13,7 +13,6 @@ layout ops around it do not count. The table names the CPU's ISA.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -75,9 +74,7 @@ def _conv_ms(path: str, x: np.ndarray, runs: int, prefix: str) -> tuple[float, s
 
 
 def measure(case, d: str, runs: int) -> dict:
-    from lq.calibration import calibrate_model
-    from lq.config import Int8ReduceRangeConfig
-    from lq.convert import quantize_model
+    from bench.ordinary import lq_ptq
     from lq.export import export_onnx
 
     label, cin, cout, k, groups, hw = case
@@ -89,12 +86,7 @@ def measure(case, d: str, runs: int) -> dict:
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (x[:1],), fp32, dynamo=False, opset_version=17, input_names=["input"],
                           dynamic_axes={"input": {0: "batch"}})
-    q = copy.deepcopy(model)
-    recipe = Int8ReduceRangeConfig()
-    quantize_model(q, quant_desc_weight=recipe.weight.to_descriptor(), unsigned_after_relu=recipe.unsigned_after_relu)
-    with torch.no_grad():
-        calibrate_model(q, [x], method="max")
-    export_onnx(q, x[:4], int8)
+    export_onnx(lq_ptq(model, [x], reduce_range=True), x[:4], int8)
     xn = x.numpy()
     f_ms, f_op = _conv_ms(fp32, xn, runs, os.path.join(d, "p_fp32"))
     i_ms, i_op = _conv_ms(int8, xn, runs, os.path.join(d, "p_int8"))

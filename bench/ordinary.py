@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench import _report
-from bench.onnx_export import ort_quantize_static, ort_times
+from bench.onnx_export import ort_quantize_static, ort_times, quantize_and_calibrate
 
 torch.set_flush_denormal(True)
 
@@ -230,20 +230,8 @@ def ort_accuracy(path: str, x, y) -> float:
 
 # =========================================================================== one model
 def lq_ptq(model: nn.Module, batches, reduce_range: bool) -> nn.Module:
-    """lq's path as a user calls it: quantize_model (with ``reduce_range``: the ``int8_reduce_range`` recipe,
-    7-bit weights and unsigned inputs after ReLU), then max calibration."""
-    from lq.calibration import calibrate_model
-    from lq.config import Int8ReduceRangeConfig
-    from lq.convert import quantize_model
-
-    q = copy.deepcopy(model)
-    recipe = Int8ReduceRangeConfig()
-    wdesc = recipe.weight.to_descriptor() if reduce_range else None
-    quantize_model(q, quant_desc_weight=wdesc, unsigned_after_relu=reduce_range and recipe.unsigned_after_relu)
-    q.eval()
-    with torch.no_grad():
-        calibrate_model(q, batches, method="max")
-    return q
+    """lq's path as a user calls it, on a copy of ``model``: :func:`bench.onnx_export.quantize_and_calibrate`."""
+    return quantize_and_calibrate(copy.deepcopy(model), batches, reduce_range=reduce_range)
 
 
 def export_fp32(model: nn.Module, path: str, sample) -> None:

@@ -507,8 +507,7 @@ def quantize_model(
         will_be_quantized = lambda m: isinstance(m, QuantMixin) or id(m) in targets  # noqa: E731
         glue_plans, glue_outputs, glue_already, glue_notes = _glue.plan(
             model, selected=lambda n: _matches(n, include) and not _matches(n, exclude),
-            skip=lambda m: isinstance(m, QuantMixin) or id(m) in targets,
-            will_be_quantized=will_be_quantized, graphs=graphs)
+            skip=will_be_quantized, will_be_quantized=will_be_quantized, graphs=graphs)
         if not glue:
             glue_plans, glue_outputs, glue_already, glue_notes = [], [], [], []
         if unsigned_after_relu:

@@ -534,7 +534,6 @@ def export_onnx(
     infos: list[QuantNodeInfo] = []
     folds: list[FoldRecord] = []
     u8_weights: list[str] = []
-    float_by_choice: list[str] = []
     lower_opts = _lower.LowerOptions(opset=opset, weight_format=weight_format,
                                      activation_dtype="uint8" if target == "onnxruntime" else "int8",
                                      narrow_clamp=target == "onnxruntime")
@@ -552,7 +551,7 @@ def export_onnx(
             _placement.dedupe_quantizers(g)
             _placement.split_shared_producers(g)
             _placement.hoist_quantizers(g, relu_to_unsigned=True)
-            float_by_choice.extend(_float_convs.float_small_convs(g))
+            _float_convs.float_small_convs(g)
             _placement.quantize_bias(g)
         _placement.dedupe_quantizers(g)
         if target == "onnxruntime":

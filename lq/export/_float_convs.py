@@ -17,19 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from lq.export._finish import _dequantize
 from lq.export._ir import Graph, attr
 from lq.export._rules import FLOAT_BY_CHOICE, ort_prefers_float_conv
-
-
-def dequantized(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, axis: int) -> np.ndarray:
-    """What DequantizeLinear computes, in float32: ``float(q - zero_point) * scale`` (per axis if 1-D)."""
-    shape = [1] * q.ndim
-    if scale.ndim == 1:
-        shape[axis % q.ndim] = -1
-    s = scale.astype(np.float32).reshape(shape)
-    z = np.zeros((), np.int32) if zero_point is None else zero_point.astype(np.int32).reshape(shape if
-                                                                                               zero_point.ndim else ())
-    return (q.astype(np.int32) - z).astype(np.float32) * s
 
 
 def float_small_convs(g: Graph) -> list[str]:
@@ -48,7 +38,7 @@ def float_small_convs(g: Graph) -> list[str]:
             continue
         if not ort_prefers_float_conv(q.shape[1]) or _path_to_quantize(n, g, cons):
             continue
-        w = dequantized(q, scale, zp, attr(dq, "axis", 1))
+        w = _dequantize(q, scale, zp, attr(dq, "axis", 1))  # what the DequantizeLinear computes
         n.input[1] = g.add_const(f"{n.input[1]}_{FLOAT_BY_CHOICE}", w)
         if not [u for u in cons.get(dq.output[0], []) if u is not n]:
             dropped.add(id(dq))

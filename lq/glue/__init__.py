@@ -23,14 +23,11 @@ from torch import nn
 from lq.glue import _outputs
 from lq.glue._outputs import OutputSite
 from lq.glue._rewrite import CHILD, GlueQuantized, GlueQuantizer, commit, glue_class, remove
-from lq.glue._rules import (FUNCTIONS, METHODS, TIE_THROUGH_FUNCTIONS, TIE_THROUGH_METHODS, TIE_THROUGH_MODULES,
+from lq.glue._rules import (FUNCTIONS, INPUT_QUANTIZER, METHODS, TIE_THROUGH_FUNCTIONS, TIE_THROUGH_METHODS, TIE_THROUGH_MODULES,
                             TIED_LAYERS, GlueRule)
 from lq.glue._sites import Site, find_sites
 from lq.glue._trace import trace
 from lq.nn.modules.tensor_quantizer import TensorQuantizer
-
-#: the attribute of a quantized conv/linear that quantizes its input
-_TIED_ATTR = "_input_quantizer"
 
 __all__ = ["GluePlan", "OutputSite", "plan", "GlueQuantized", "GlueQuantizer", "CHILD", "remove", "FUNCTIONS", "METHODS",
            "GlueRule", "is_glue_quantized"]
@@ -67,7 +64,7 @@ class GluePlan:
         that quantizer quantizes per tensor and is enabled."""
         for s in self.sites:
             for i, path in list(s.tied.items()):
-                q = getattr(swapped(self.module.get_submodule(path.rsplit(".", 1)[0])), _TIED_ATTR, None)
+                q = getattr(swapped(self.module.get_submodule(path.rsplit(".", 1)[0])), INPUT_QUANTIZER, None)
                 if not (isinstance(q, TensorQuantizer) and q.axis is None and q.is_enabled):
                     del s.tied[i]
         self.quantizers = nn.ModuleDict({q: GlueQuantizer(desc_for(self.path(q)))
@@ -125,7 +122,7 @@ def _tie(parent: nn.Module, graph: fx.Graph, will_be_quantized):
                     first = next(iter(layer._modules))
                     path, layer = f"{path}.{first}", layer._modules[first]
                 if isinstance(layer, TIED_LAYERS) and will_be_quantized(layer):
-                    return f"{path}.{_TIED_ATTR}"
+                    return f"{path}.{INPUT_QUANTIZER}"
         for u in node.users:
             if depth < 4 and u.args and u.args[0] is node and through(u):
                 found = tie(u, depth + 1)

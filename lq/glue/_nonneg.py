@@ -25,15 +25,15 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from lq.glue._rules import TIED_LAYERS
+from lq.glue._rules import INPUT_QUANTIZER, TIED_LAYERS
+from lq.nn.modules.quant_elementwise import FloatAdd, FloatCat
 
 #: outputs >= 0 whatever the input
 _RELUS_MODULES = (nn.ReLU, nn.ReLU6)
 _RELUS_FUNCTIONS = {F.relu, torch.relu, F.relu6}
 _RELUS_METHODS = {"relu", "relu_"}
 #: outputs >= 0 when the (first) input is
-_KEEP_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
-                 nn.AdaptiveMaxPool3d, nn.Flatten, nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d,
+_KEEP_MODULES = (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.Flatten, nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d,
                  nn.Dropout3d)
 #: quantized by lq (an ``_input_quantizer``) and sign-keeping
 _POOL_MODULES = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
@@ -49,14 +49,8 @@ _KEEP_METHODS = {"flatten", "reshape", "view", "permute", "transpose", "contiguo
                  "mean", "clone", "__getitem__"}
 _SUMS = {operator.add, torch.add, torch.cat, torch.concat, torch.concatenate}
 
-_INPUT = "_input_quantizer"
-
-
-def _joins():
-    """lq's explicit join modules: one shared input quantizer over all their operands."""
-    from lq.nn.modules.quant_elementwise import FloatAdd, FloatCat
-
-    return FloatAdd, FloatCat
+#: lq's explicit join modules: one shared input quantizer over all their operands
+_JOINS = (FloatAdd, FloatCat)
 
 
 class NonNegative:
@@ -85,7 +79,7 @@ class NonNegative:
         if isinstance(m, _RELUS_MODULES):
             return True
         if isinstance(m, _INPUT_QUANTIZED) and self.will_be_quantized(m):
-            self._vote(f"{path}.{_INPUT}" if path else _INPUT, nonneg_in)
+            self._vote(f"{path}.{INPUT_QUANTIZER}" if path else INPUT_QUANTIZER, nonneg_in)
             return nonneg_in and isinstance(m, _POOL_MODULES)
         if isinstance(m, _KEEP_MODULES + _POOL_MODULES):
             return nonneg_in
@@ -108,7 +102,7 @@ class NonNegative:
         for name, sub in m.named_modules():
             if isinstance(sub, _INPUT_QUANTIZED):
                 full = ".".join(p for p in (path, name) if p)
-                self._vote(f"{full}.{_INPUT}" if full else _INPUT, False)
+                self._vote(f"{full}.{INPUT_QUANTIZER}" if full else INPUT_QUANTIZER, False)
 
     # ------------------------------------------------------------------ one forward
     def graph(self, m: nn.Module, path: str, graph: fx.Graph, nonneg_in: bool) -> bool:
@@ -142,8 +136,8 @@ class NonNegative:
             if n.op == "call_module":
                 child = m.get_submodule(n.target)
                 child_path = f"{path}.{n.target}" if path else n.target
-                q = f"{child_path}.{_INPUT}"
-                if isinstance(child, _joins()) and self.will_be_quantized(child):
+                q = f"{child_path}.{INPUT_QUANTIZER}"
+                if isinstance(child, _JOINS) and self.will_be_quantized(child):
                     tensors = [t for t in _flat(n.args) if isinstance(t, fx.Node)]
                     env[n] = bool(tensors) and all(env.get(t, False) for t in tensors)
                     self._vote(q, env[n])

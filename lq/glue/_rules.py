@@ -50,6 +50,9 @@ ATTENTION = GlueRule("attention", shared=False)
 #: average pooling written as a function: its input quantized
 POOL = GlueRule("pool", shared=True)
 
+#: the attribute of a quantized layer (conv, linear, pool) that quantizes its input
+INPUT_QUANTIZER = "_input_quantizer"
+
 #: layers whose input quantizer an add operand shares when the layer reads the same tensor (they quantize their
 #: input per tensor with ``_input_quantizer``)
 TIED_LAYERS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
