@@ -130,6 +130,42 @@ def mean_pool(last_hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.normalize(emb, dim=-1)
 
 
+class SentenceEmbedding(torch.nn.Module):
+    """``input_ids, attention_mask -> mean_pool(last_hidden_state)``: what a sentence-embedding user deploys
+    (the ONNX files of the benches are exported from this)."""
+
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder = encoder
+        self.train(encoder.training)  # a new Module is in training mode; train()/eval() would pass it on
+
+    def forward(self, input_ids, attention_mask):
+        return mean_pool(self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state,
+                         attention_mask)
+
+
+INPUT_NAMES = ("input_ids", "attention_mask")
+
+
+def fixed_length(tok, texts: list[str], max_length: int = 64) -> dict[str, torch.Tensor]:
+    """``{input_ids, attention_mask}`` padded to ``max_length``: the fixed input shape of a deployed file."""
+    enc = tok(texts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
+    return {n: enc[n] for n in INPUT_NAMES}
+
+
+def export_fp32(model, path: str, sample: dict[str, torch.Tensor]) -> None:
+    """The FP32 reference file: :class:`SentenceEmbedding` of ``model`` through ``torch.onnx.export``, the
+    batch axis dynamic."""
+    import warnings
+
+    names = list(INPUT_NAMES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(SentenceEmbedding(model).eval(), tuple(sample[n][:2] for n in names), path, dynamo=False,
+                          opset_version=17, input_names=names, output_names=["embedding"],
+                          dynamic_axes={n: {0: "batch"} for n in names + ["embedding"]})
+
+
 @torch.no_grad()
 def embed(model, tok_batches) -> torch.Tensor:
     """L2-normalized mean-pooled embeddings of pre-tokenized batches (see :func:`batches`), in text order."""

@@ -19,6 +19,7 @@ onnxruntime ran for each model.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -161,9 +162,10 @@ def ort_quantize_static(fp32_path: str, out_path: str, batches, u8u8: bool = Fal
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    class Reader(CalibrationDataReader):
+    class Reader(CalibrationDataReader):  # a batch: the input tensor, or {input name: tensor}
         def __init__(self):
-            self.it = iter([{"input": b.numpy()} for b in batches])
+            self.it = iter([{k: v.numpy() for k, v in b.items()} if isinstance(b, dict) else {"input": b.numpy()}
+                            for b in batches])
 
         def get_next(self):
             return next(self.it, None)
@@ -174,8 +176,14 @@ def ort_quantize_static(fp32_path: str, out_path: str, batches, u8u8: bool = Fal
         src = pre
     except Exception:
         src = fp32_path
-    quantize_static(src, out_path, Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                    activation_type=QuantType.QUInt8, weight_type=QuantType.QUInt8 if u8u8 else QuantType.QInt8)
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # one warning per LayerNorm weight ("Axis 1 is out-of-range") otherwise
+    try:
+        quantize_static(src, out_path, Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QUInt8 if u8u8 else QuantType.QInt8)
+    finally:
+        root.setLevel(level)
     if os.path.exists(pre):
         os.remove(pre)
 

@@ -29,7 +29,6 @@ import os
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -175,21 +174,6 @@ def _onnx_models(d: str, fast: bool, log) -> dict:
     return models
 
 
-class _SentenceEmbedding(torch.nn.Module):
-    """input_ids, attention_mask -> mean-pooled token embeddings: what a sentence-embedding user deploys."""
-
-    def __init__(self, encoder):
-        super().__init__()
-        self.encoder = encoder
-        self.train(encoder.training)  # a new Module is in training mode; train()/eval() would pass it on
-
-    def forward(self, input_ids, attention_mask):
-        from bench.minilm import mean_pool
-
-        return mean_pool(self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state,
-                         attention_mask)
-
-
 def _minilm_onnx(d: str, log) -> dict:
     """MiniLM exported three ways: FP32 (torch.onnx), lq W8A8 (percentile 99.999 on 32 news documents,
     ``lq.export.export_onnx``), and onnxruntime's ``quantize_dynamic`` of the FP32 export (its
@@ -205,31 +189,27 @@ def _minilm_onnx(d: str, log) -> dict:
     model, tok = M.load_model()
     model.eval()
     data = M.load_text(fast=True)
-    enc = tok(data.polarity[:32], padding="max_length", truncation=True, max_length=64, return_tensors="pt")
-    ids, mask = enc["input_ids"], enc["attention_mask"]
+    sample = M.fixed_length(tok, data.polarity[:32], 64)
+    ids, mask = sample["input_ids"], sample["attention_mask"]
     paths = {"FP32 export": os.path.join(d, "minilm_fp32.onnx"),
              "lq INT8 (8-bit weights)": os.path.join(d, "minilm_lq.onnx"),
              "ORT quantize_dynamic": os.path.join(d, "minilm_ort_dynamic.onnx")}
-    spec = {"contenders": paths, "sample": {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}}
-    names = ["input_ids", "attention_mask"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(_SentenceEmbedding(model).eval(), (ids[:2], mask[:2]), paths["FP32 export"], dynamo=False,
-                          opset_version=17, input_names=names, output_names=["embedding"],
-                          dynamic_axes={n: {0: "batch"} for n in names + ["embedding"]})
+    spec = {"contenders": paths, "sample": {k: v.numpy() for k, v in sample.items()}}
+    names = list(M.INPUT_NAMES)
+    M.export_fp32(model, paths["FP32 export"], sample)
     q = copy.deepcopy(model)
     qs = collect_histograms(q, M.batches(tok, data.calib[:32], max_length=64)[0],
                             Int8PerChannelConfig(types=["Linear"], exclude=["pooler*"]),
                             forward=lambda m, bb: m(**bb))
     load_method(qs, "percentile", percentile=99.999)
     # rounding flips compound through six layers: verify with a loose bound here, report the cosine
-    res = export_onnx(_SentenceEmbedding(q).eval(), (ids[:8], mask[:8]), paths["lq INT8 (8-bit weights)"],
+    res = export_onnx(M.SentenceEmbedding(q).eval(), (ids[:8], mask[:8]), paths["lq INT8 (8-bit weights)"],
                       input_names=names, rtol=0.25)
     quantize_dynamic(paths["FP32 export"], paths["ORT quantize_dynamic"], weight_type=QuantType.QInt8)
     from lq.export._verify import make_session
 
     with torch.no_grad():
-        ref = _SentenceEmbedding(q).eval()(ids, mask)
+        ref = M.SentenceEmbedding(q).eval()(ids, mask)
     got = torch.from_numpy(make_session(paths["lq INT8 (8-bit weights)"]).run(None, spec["sample"])[0])
     cos = F.cosine_similarity(got, ref)
     spec["kernels"] = ort_int8_ops(paths["lq INT8 (8-bit weights)"])

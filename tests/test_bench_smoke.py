@@ -191,13 +191,17 @@ def test_ordinary_fast(runs):
     model, the kernel report counts its layers, and the table names the CPU."""
     out, logs, _ = runs
     res = _load(out / "ordinary" / "ordinary.json")
-    assert len(res["rows"]) == 6
+    from bench import minilm
+
+    assert len(res["rows"]) == 6 + minilm.available()
     for r in res["rows"]:
         name = r["model"]
         assert not [n for n in r["notes"] if "failed" in n], (name, r["notes"])
         for recipe in ("lq INT8 (8-bit weights)", "lq INT8 (int8_reduce_range)"):
-            # the same 360 test images through onnxruntime and through PyTorch: at most 2 predictions differ
-            assert abs(r["acc"][recipe] - r["acc"][recipe + " (PyTorch)"]) <= 100 * 2 / 360 + 1e-6, (name, r["acc"])
+            if "metric" in r:  # MiniLM: the file's embeddings and PyTorch fake-quant's, each by cosine to FP32
+                assert r["acc"][recipe] > 95 and abs(r["acc"][recipe] - r["acc"][recipe + " (PyTorch)"]) <= 0.1, r
+            else:  # the same 360 test images through onnxruntime and through PyTorch: at most 2 predictions differ
+                assert abs(r["acc"][recipe] - r["acc"][recipe + " (PyTorch)"]) <= 100 * 2 / 360 + 1e-6, (name, r)
             k = r["kernels"][recipe]
             assert 1 <= k["layers"] and 0 <= k["integer"] <= k["layers"], (name, k)
             assert len(k["float"]) == k["layers"] - k["integer"], (name, k)

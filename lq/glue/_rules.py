@@ -91,9 +91,11 @@ OUTPUT_LAYERS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 #: readers that take a float input and have no quantizer of their own: normalizations and smooth activations
 #: (ReLU/ReLU6 are not here: the export moves a quantizer across them exactly, so a quantized reader after
 #: them suffices). LeakyReLU and PReLU are not here either: their slope times a grid value often lands
-#: exactly half-way between two steps of the next quantizer (0.1 x 5 steps = 0.5), and two runtimes then
-#: round such ties differently; without an output quantizer the conv output is not on a grid and ties are
-#: rare. Modules by type, functions by identity, tensor methods by name.
+#: exactly half-way between two steps of the next quantizer (0.1 x 5 steps = 0.5; under max calibration
+#: both grids often share one amax), and two runtimes then round such ties differently; without an output
+#: quantizer the conv output is not on a grid and ties are rare. (Tried: with output quantizers the
+#: bench.ordinary P-Net ran 0.76x FP32 instead of 0.56x, but with short slopes 8-20% of the outputs ended
+#: one step from PyTorch's.) Modules by type, functions by identity, tensor methods by name.
 FLOAT_READER_MODULES = (
     torch.nn.GroupNorm, torch.nn.LayerNorm, torch.nn.SiLU, torch.nn.GELU, torch.nn.Sigmoid, torch.nn.Tanh,
     torch.nn.Hardswish, torch.nn.Hardsigmoid, torch.nn.Mish, torch.nn.ELU, torch.nn.Softmax,
