@@ -217,6 +217,32 @@ def test_depthwise_and_thin_stem_run_float_by_choice_with_the_same_numbers(tmp_p
         np.testing.assert_allclose(_run(res.path, x, level), want, rtol=1e-4, atol=1e-4)
 
 
+def test_convs_no_quantizer_reads_get_their_dequantized_weights_as_float(tmp_path):
+    """Convs read by PReLU and by a mean run in float (nothing quantizes their outputs): the export stores their
+    dequantized weights as float, so onnxruntime neither dequantizes them on every run nor misses its blocked
+    float conv; the report still names the reader, and the numbers are PyTorch fake-quant's."""
+    x = torch.randn(4, 8, 12, 12)
+    model = _quantized(nn.Sequential(nn.Conv2d(8, 16, 3), nn.PReLU(16), nn.Conv2d(16, 16, 3), nn.PReLU(16),
+                                     nn.Conv2d(16, 16, 1), nn.PReLU(16), nn.Conv2d(16, 4, 1), nn.AdaptiveAvgPool2d(1),
+                                     nn.Flatten()), x)
+    res = _export(model, x, tmp_path)
+    kernels = {k.layer: k for k in res.layer_kernels}
+    for name in ("0", "2", "4"):
+        k = kernels[name]
+        assert k.kernel == "Conv" and not k.by_choice and "PRelu" in k.reason, k
+    assert kernels["6"].kernel == "QLinearConv"  # the pool's input quantizer reads it
+    g = onnx.load(res.path).graph
+    floats = [i.name for i in g.initializer if "dequantized_float" in i.name]
+    assert not [i for i in g.initializer if "float_by_choice" in i.name], floats
+    # the two 3x3 convs; the 1x1 conv keeps its DequantizeLinear (one GEMM either way, no NCHWc reorders)
+    weights = {n.name: n.input[1] for n in g.node if n.op_type == "Conv"}
+    assert len(floats) == 2 and sum(w in floats for w in weights.values()) == 2, weights
+    with torch.no_grad():
+        want = model(x).numpy()
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        np.testing.assert_allclose(_run(res.path, x, level), want, rtol=1e-4, atol=1e-4)
+
+
 def _run(path, x, level):
     opts = ort.SessionOptions()
     opts.graph_optimization_level = level

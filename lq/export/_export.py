@@ -551,7 +551,7 @@ def export_onnx(
             _placement.dedupe_quantizers(g)
             _placement.split_shared_producers(g)
             _placement.hoist_quantizers(g, relu_to_unsigned=True)
-            _float_convs.float_small_convs(g)
+            _float_convs.float_weights_for_float_convs(g)
             _placement.quantize_bias(g)
         _placement.dedupe_quantizers(g)
         if target == "onnxruntime":

@@ -1,16 +1,21 @@
-"""Convs that onnxruntime runs faster in float than in INT8 get their dequantized weights as float.
+"""Convs that onnxruntime runs in float get their dequantized weights as float initializers.
 
-onnxruntime fuses ``DQ(x), DQ(w) -> Conv -> Q`` into ``QLinearConv`` whenever it can, but for a depthwise
-conv or a stem with 1-3 input channels its integer kernel is slower than its float one
-(:data:`lq.export._rules.ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP`). Replacing the weight's DequantizeLinear by
-a float initializer holding exactly what it computes (``(q - zero_point) * scale`` in float32) leaves the
-numbers unchanged and stops the fusion: onnxruntime then runs its float conv on the dequantized input. The
-input quantizer stays (it is part of the model), the bias stays float (no int32 rounding is needed).
+Two kinds. onnxruntime fuses ``DQ(x), DQ(w) -> Conv -> Q`` into ``QLinearConv`` whenever it can, but for a
+depthwise conv or a stem with 1-3 input channels its integer kernel is slower than its float one
+(:data:`lq.export._rules.ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP`): float by choice. And a conv that no
+quantizer reads (a PReLU or a mean reads it) runs in float whatever its weights are; with ``DQ(w)`` as
+its weight, onnxruntime cannot re-lay the weights for its blocked NCHWc float conv and dequantizes them on
+every run (the P-Net of ``bench.ordinary``, 3x3 convs: 2.52 -> 2.07 ms at batch 32; not for a 1x1 conv,
+which runs as one GEMM either way: the U-Net's 1x1 head went 5.85 -> 6.10 ms, the reorders into and out of
+NCHWc around it costing more than they saved). Replacing the weight's
+DequantizeLinear by a float initializer holding exactly what it computes (``(q - zero_point) * scale`` in
+float32) leaves the numbers unchanged. The input quantizer stays (it is part of the model), the bias stays
+float (no int32 rounding is needed).
 
-Only where a float op reads the conv's output (a GroupNorm, a SiLU ...: lq.glue gives such convs no output
-quantizer). Where the output reaches a QuantizeLinear through nothing but ReLU/Clip, onnxruntime's
-``WeightBiasQuantization`` would re-quantize float weights per tensor to fuse the conv anyway (changing
-the numbers), so those convs keep their integer weights and run as QLinearConv.
+Only where a float op reads the conv's output (lq.glue gives by-choice convs no output quantizer). Where
+the output reaches a QuantizeLinear through nothing but ReLU/Clip, onnxruntime's ``WeightBiasQuantization``
+would re-quantize float weights per tensor to fuse the conv anyway (changing the numbers), so those convs
+keep their integer weights and run as QLinearConv; a conv writing a model output keeps them too.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ import numpy as np
 
 from lq.export._finish import _dequantize
 from lq.export._ir import Graph, attr
-from lq.export._rules import FLOAT_BY_CHOICE, ort_prefers_float_conv
+from lq.export._rules import FLOAT_BY_CHOICE, FLOAT_WEIGHTS, ort_prefers_float_conv
 
 
-def float_small_convs(g: Graph) -> list[str]:
-    """Give every Conv with fewer than 4 input channels per group float weights; returns the Conv names."""
+def float_weights_for_float_convs(g: Graph) -> list[str]:
+    """Give float weights to every Conv that runs in float: fewer than 4 input channels per group, or a kernel
+    larger than 1x1, with no QuantizeLinear after it; returns the Conv names."""
     prod, cons = g.producers(), g.consumers()
     done, dropped = [], set()
     for n in g.nodes:
@@ -36,10 +42,13 @@ def float_small_convs(g: Graph) -> list[str]:
         zp = g.const(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
         if q is None or scale is None or q.ndim < 3 or q.dtype not in (np.int8, np.uint8):
             continue
-        if not ort_prefers_float_conv(q.shape[1]) or _path_to_quantize(n, g, cons):
+        if _path_to_quantize(n, g, cons):
             continue
+        marker = FLOAT_BY_CHOICE if ort_prefers_float_conv(q.shape[1]) else FLOAT_WEIGHTS
+        if marker == FLOAT_WEIGHTS and all(k == 1 for k in q.shape[2:]):
+            continue  # a 1x1 conv is one GEMM either way; the NCHWc layout would only add reorders around it
         w = _dequantize(q, scale, zp, attr(dq, "axis", 1))  # what the DequantizeLinear computes
-        n.input[1] = g.add_const(f"{n.input[1]}_{FLOAT_BY_CHOICE}", w)
+        n.input[1] = g.add_const(f"{n.input[1]}_{marker}", w)
         if not [u for u in cons.get(dq.output[0], []) if u is not n]:
             dropped.add(id(dq))
         done.append(n.name)

@@ -15,7 +15,7 @@ import re
 import onnx
 
 from lq.export._ir import Graph, as_model
-from lq.export._rules import FLOAT_BY_CHOICE, ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP
+from lq.export._rules import FLOAT_BY_CHOICE, FLOAT_MARKERS, ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP
 from lq.export._verify import INT8_KERNELS
 
 #: the reason of a conv the export left float on purpose (:mod:`lq.export._float_convs`)
@@ -56,6 +56,7 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: 
     if n.op_type == "Conv" and len(n.input) > 1 and FLOAT_BY_CHOICE in n.input[1]:
         return BY_CHOICE
     data_inputs = n.input[:2] if n.op_type in _COMPUTE else [i for i in n.input if i and not g.is_const(i)]
+    data_inputs = [i for i in data_inputs if not _float_weights(i)]  # dequantized by the export: quantized
     if any(prod.get(i) is None or prod[i].op_type != "DequantizeLinear" for i in data_inputs):
         return "input or weight is not quantized"
     users = cons.get(n.output[0], [])
@@ -77,6 +78,11 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: 
                 "onnxruntime runs a conv/gemm as an integer kernel only when a QuantizeLinear reads its output")
         return f"its output is read by {', '.join(readers)} without a quantizer ({hint})"
     return None
+
+
+def _float_weights(name: str) -> bool:
+    """A weight the export stored as its dequantized float values (:mod:`lq.export._float_convs`)."""
+    return any(m in name for m in FLOAT_MARKERS)
 
 
 def unfused_layers(model: onnx.ModelProto, layer_of: dict[str, str]) -> list[str]:
@@ -110,7 +116,7 @@ def _runs_as(n: onnx.NodeProto, opt_by_name: dict, opt_cons: dict, prod: dict) -
     """The optimized node standing for ``n``: same name, a name onnxruntime derived from it, or the node
     that reads the same weight initializer (following a DequantizeLinear that was kept)."""
     w = n.input[1] if len(n.input) > 1 else ""
-    if FLOAT_BY_CHOICE in w:  # onnxruntime may rename it and re-lay its weights (NCHWc): its float conv
+    if _float_weights(w):  # onnxruntime may rename it and re-lay its weights (NCHWc): its float conv
         return n.op_type
     if n.name in opt_by_name:
         return opt_by_name[n.name].op_type

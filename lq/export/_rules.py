@@ -64,6 +64,10 @@ RULES: dict[str, OpRule] = {
 ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP = 4
 #: marks the float weights of such a conv in the exported file (the kernel report names the reason)
 FLOAT_BY_CHOICE = "float_by_choice"
+#: marks the float (dequantized) weights of a conv that onnxruntime runs in float anyway, because no quantizer
+#: reads its output (a PReLU or a mean reads it): float initializers let it use its blocked (NCHWc) float conv
+FLOAT_WEIGHTS = "dequantized_float"
+FLOAT_MARKERS = (FLOAT_BY_CHOICE, FLOAT_WEIGHTS)
 
 
 def ort_prefers_float_conv(channels_per_group: int) -> bool:
