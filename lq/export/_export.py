@@ -19,7 +19,7 @@ import onnx
 import torch
 
 from lq.export import (_finish, _float_convs, _float_twin, _fold_bn, _fold_constants, _int16, _kernel_report,
-                       _loop_ops, _loops, _lower, _placement, _symbolic, _timing, _verify)
+                       _loop_ops, _loops, _lower, _placement, _pool_first, _symbolic, _timing, _verify)
 from lq.export._kernel_report import LayerKernel
 from lq.export._fold_bn import FoldRecord
 from lq.export._ir import ExportError, Graph, QuantNodeInfo, all_nodes, layer_name
@@ -548,6 +548,7 @@ def export_onnx(
         _finish.split_weight_dq(g)
         _finish.transpose_weight_dq(g)
         if target == "onnxruntime":
+            _pool_first.pool_before_activations(g)
             _placement.dedupe_quantizers(g)
             _placement.split_shared_producers(g)
             _placement.hoist_quantizers(g, relu_to_unsigned=True)

@@ -1,0 +1,138 @@
+"""Max pooling moved in front of a PReLU/LeakyReLU with non-negative slopes (:mod:`lq.export._pool_first`).
+
+The swap is exact only for a non-decreasing activation: these tests check that the rewritten graph gives
+onnxruntime's very numbers of the original one (bit for bit, optimizations on and off), that a negative slope
+or a slope varying along a spatial axis leaves the pool where it is, and that an exported P-Net-shaped model
+pools first and still equals PyTorch's fake-quant model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from lq.calibration import calibrate_model
+from lq.convert import quantize_model
+from lq.export import export_onnx
+from lq.export._ir import Graph
+from lq.export._pool_first import pool_before_activations
+
+ort = pytest.importorskip("onnxruntime")
+torch.set_flush_denormal(True)
+
+LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_ALL")
+
+
+def _graph(act: str, slope: np.ndarray | float, quantized: bool) -> onnx.ModelProto:
+    """x -> act [-> Q -> DQ] -> MaxPool(2, ceil) -> y, float NCHW (1, 4, 7, 7)."""
+    inits, nodes = [], []
+    if act == "PRelu":
+        inits.append(numpy_helper.from_array(np.asarray(slope, np.float32), "slope"))
+        nodes.append(helper.make_node("PRelu", ["x", "slope"], ["a"]))
+    else:
+        nodes.append(helper.make_node("LeakyRelu", ["x"], ["a"], alpha=float(slope)))
+    pooled_in = "a"
+    if quantized:
+        inits += [numpy_helper.from_array(np.array(0.05, np.float32), "s"),
+                  numpy_helper.from_array(np.array(128, np.uint8), "z")]
+        nodes += [helper.make_node("QuantizeLinear", ["a", "s", "z"], ["q"]),
+                  helper.make_node("DequantizeLinear", ["q", "s", "z"], ["dq"])]
+        pooled_in = "dq"
+    nodes.append(helper.make_node("MaxPool", [pooled_in], ["y"], kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 7, 7])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray, level: str) -> np.ndarray:
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0]
+
+
+def _rewrite(model: onnx.ModelProto) -> tuple[int, onnx.ModelProto]:
+    g = Graph(onnx.ModelProto.FromString(model.SerializeToString()))
+    moved = pool_before_activations(g)
+    return moved, g.finalize()
+
+
+PER_CHANNEL = np.array([0.0, 0.1, 0.25, 0.7], np.float32).reshape(4, 1, 1)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("act,slope", [("PRelu", PER_CHANNEL), ("PRelu", np.float32(0.25)), ("LeakyRelu", 0.1)])
+def test_pool_moves_above_a_non_decreasing_activation_with_the_same_numbers(act, slope, quantized):
+    model = _graph(act, slope, quantized)
+    moved, new = _rewrite(model)
+    assert moved == 1
+    ops = [n.op_type for n in new.graph.node]
+    assert ops[0] == "MaxPool" and ops[1] == act, ops
+    x = 3 * np.random.default_rng(0).standard_normal((1, 4, 7, 7)).astype(np.float32)
+    for level in LEVELS:
+        np.testing.assert_array_equal(_run(new, x, level), _run(model, x, level))
+
+
+@pytest.mark.parametrize("act,slope", [
+    ("PRelu", np.array([0.2, -0.3, 0.1, 0.5], np.float32).reshape(4, 1, 1)),  # one negative slope
+    ("PRelu", np.full((4, 7, 7), 0.2, np.float32)),  # a slope per position: the pooled tensor no longer fits
+    ("LeakyRelu", -0.1),
+])
+def test_pool_stays_where_the_swap_would_not_be_exact(act, slope):
+    model = _graph(act, slope, quantized=True)
+    moved, new = _rewrite(model)
+    assert moved == 0 and [n.op_type for n in new.graph.node][-1] == "MaxPool"
+    if act == "PRelu" and slope.ndim == 3 and slope.shape[1] == 1:  # and moving it would have changed the result
+        swapped = _graph(act, slope, quantized=True)
+        nodes = list(swapped.graph.node)
+        nodes[0].input[0], nodes[-1].input[0], nodes[-1].output[0], nodes[-2].output[0] = "p", "x", "p", "y"
+        del swapped.graph.node[:]
+        swapped.graph.node.extend([nodes[-1]] + nodes[:-1])
+        x = 3 * np.random.default_rng(0).standard_normal((1, 4, 7, 7)).astype(np.float32)
+        assert np.abs(_run(swapped, x, "ORT_DISABLE_ALL") - _run(model, x, "ORT_DISABLE_ALL")).max() > 0.1
+
+
+class PNetShape(nn.Module):
+    """conv -> PReLU -> 2x2 max pool (ceil) -> conv -> PReLU -> conv, as MTCNN's P-Net."""
+
+    def __init__(self, slopes):
+        super().__init__()
+        self.c1, self.a1, self.pool = nn.Conv2d(4, 8, 3), nn.PReLU(8), nn.MaxPool2d(2, 2, ceil_mode=True)
+        self.c2, self.a2, self.c3 = nn.Conv2d(8, 16, 3), nn.PReLU(16), nn.Conv2d(16, 4, 1)
+        with torch.no_grad():
+            self.a1.weight.copy_(torch.tensor(slopes, dtype=torch.float32))
+
+    def forward(self, x):
+        return self.c3(self.a2(self.c2(self.pool(self.a1(self.c1(x))))))
+
+
+@pytest.mark.parametrize("negative", [False, True])
+def test_export_pools_before_prelu_and_equals_pytorch(tmp_path, negative):
+    torch.manual_seed(0)
+    slopes = [0.1, 0.2, 0.25, 0.3, 0.05, 0.4, 0.15, -0.2 if negative else 0.35]
+    model = PNetShape(slopes)
+    quantize_model(model)
+    model.eval()
+    calib = [2 * torch.randn(8, 4, 21, 21, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    with torch.no_grad():
+        calibrate_model(model, calib, method="max")
+    res = export_onnx(model, calib[0], str(tmp_path / "p.onnx"))
+    g = onnx.load(res.path).graph
+    prod = {o: n for n in g.node for o in n.output}
+    (pool,) = [n for n in g.node if n.op_type == "MaxPool"]
+    ops = [n.op_type for n in g.node]
+    if negative:  # the pool reads the quantized PReLU output, as PyTorch computes it
+        assert prod[pool.input[0]].op_type != "Conv" and ops.index("PRelu") < ops.index("MaxPool"), ops
+    else:  # it reads the conv: the first PReLU and the quantizer run on the pooled tensor
+        assert prod[pool.input[0]].op_type == "Conv" and ops.index("MaxPool") < ops.index("PRelu"), ops
+    x = 2 * torch.randn(8, 4, 21, 21, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model(x).numpy()
+    sess = ort.InferenceSession(res.path, providers=["CPUExecutionProvider"])
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    # exact rewrites only: what is left is float summation order in the convs (no quantizer reads c3's output)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max() + 1e-5
