@@ -4,349 +4,35 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
-import io
 import logging
 import os
 import tempfile
 import time
-import warnings
 from collections import Counter
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
 import torch
 
 from lq.export import (_finish, _float_convs, _float_twin, _fold_bn, _fold_constants, _int16, _kernel_report,
-                       _loop_ops, _loops, _lower, _placement, _pool_first, _symbolic, _timing, _verify)
-from lq.export._kernel_report import LayerKernel
+                       _loop_ops, _loops, _lower, _model_checks, _placement, _pool_first, _symbolic, _timing,
+                       _torch_onnx, _verify)
 from lq.export._fold_bn import FoldRecord
 from lq.export._ir import ExportError, Graph, QuantNodeInfo, all_nodes, layer_name
+from lq.export._kernel_report import LayerKernel
+from lq.export._model_checks import find_uncalibrated_quantizers
+from lq.export._result import ExportResult, VerificationError
 
 log = logging.getLogger(__name__)
 
 EXPORTERS = ("dynamo", "legacy")
 TARGETS = ("onnxruntime", "tensorrt")
 WEIGHT_FORMATS = ("int8", "qdq")
-MIN_OPSET, MAX_OPSET = 13, 23
 _PROTECTED_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
 
 
-class VerificationError(ExportError):
-    """onnxruntime's output differs from PyTorch's fake-quant output by more than the tolerance."""
-
-
-@dataclasses.dataclass
-class ExportResult:
-    """What :func:`export_onnx` produced.
-
-    Attributes:
-        path: the ONNX file.
-        opset: its default-domain opset.
-        exporter: "dynamo" or "legacy".
-        max_abs_diff: max |onnxruntime - PyTorch fake-quant| on the sample (None when not verified).
-        tolerance: the allowed difference (``atol + rtol * max|PyTorch output|``).
-        providers: onnxruntime execution providers used for verification.
-        file_size: bytes of the ONNX file.
-        quantized: every quantized tensor (layer, weight/activation, dtype, axis, scale).
-        folded_bn: BatchNorm layers folded (and those that could not be, with the reason).
-        ort_ops: op types of the graph onnxruntime runs after its optimizations (fusion check).
-        qdq_nodes: number of QuantizeLinear / DequantizeLinear nodes in the saved graph.
-        warnings: anything worth knowing (fusions that could not happen, clipped weights ...).
-        uint8_weights: layers whose int8 weights were stored as uint8 with zero point 128 (the same values) because
-            onnxruntime's u8 x s8 kernels could saturate int16 on them on CPUs without VNNI (see ``_int16``).
-        export_seconds: wall time of the export (PyTorch -> ONNX -> rewrites), without verification.
-        layer_kernels: for every quantized conv/gemm/matmul (and quantized join or pool), the kernel onnxruntime
-            runs and, when it is float, why (target onnxruntime with ``check_fusion``).
-        speedup: FP32 time / INT8 time in onnxruntime on the sample (1 thread, median of interleaved runs
-            against the same graph without its quantizers); None when not measured. Below 1 a warning names
-            the layers that run in float.
-    """
-
-    path: str
-    opset: int
-    exporter: str
-    max_abs_diff: float | None
-    tolerance: float | None
-    providers: list[str]
-    file_size: int
-    quantized: list[QuantNodeInfo]
-    folded_bn: list[FoldRecord]
-    ort_ops: Counter
-    qdq_nodes: dict[str, int]
-    input_names: list[str]
-    output_names: list[str]
-    warnings: list[str] = dataclasses.field(default_factory=list)
-    export_seconds: float = 0.0
-    uint8_weights: list[str] = dataclasses.field(default_factory=list)
-    layer_kernels: list[LayerKernel] = dataclasses.field(default_factory=list)
-    speedup: float | None = None
-
-    def kernel_of(self, layer: str) -> str | None:
-        """What onnxruntime runs for ``layer`` (e.g. ``QLinearConv``, or ``Conv (float: <why>)``), None if unknown."""
-        texts = [k.text() for k in self.layer_kernels if k.layer == layer]
-        return ", ".join(dict.fromkeys(texts)) if texts else None
-
-    @property
-    def quantized_layers(self) -> list[str]:
-        return sorted({q.layer for q in self.quantized})
-
-    @property
-    def int8_kernels(self) -> dict[str, int]:
-        """onnxruntime integer kernels in the optimized graph (QLinearConv, QLinearMatMul, QLinearAdd, QGemm ...)."""
-        return {k: v for k, v in self.ort_ops.items() if k in _verify.INT8_KERNELS}
-
-    def summary(self) -> str:
-        lines = [f"ONNX export: {self.path} ({self.file_size / 1024:.1f} KiB, opset {self.opset}, {self.exporter})"]
-        if self.max_abs_diff is not None:
-            lines.append(f"  onnxruntime vs PyTorch fake-quant: max abs diff {self.max_abs_diff:.3g} "
-                         f"(tolerance {self.tolerance:.3g}, providers {', '.join(self.providers)})")
-        lines.append(f"  Q/DQ nodes: {self.qdq_nodes}; quantized tensors: {len(self.quantized)}")
-        folded = [f.bn for f in self.folded_bn if f.skipped is None]
-        if folded:
-            lines.append(f"  BatchNorm folded: {', '.join(folded)}")
-        if self.int8_kernels:
-            lines.append("  onnxruntime INT8 kernels: " + ", ".join(f"{k} x{v}" for k, v in self.int8_kernels.items()))
-        if self.layer_kernels:
-            n_int = sum(k.integer for k in self.layer_kernels)
-            lines.append(f"  layers on integer kernels: {n_int} of {len(self.layer_kernels)}")
-        if self.speedup is not None:
-            lines.append(f"  onnxruntime speed on the sample (1 thread): {self.speedup:.2f}x the FP32 graph")
-        for w in self.warnings:
-            lines.append(f"  warning: {w}")
-        return "\n".join(lines)
-
-    __str__ = summary
-
-
-# =========================================================================== checks on the PyTorch side
-def find_uncalibrated_quantizers(model: torch.nn.Module) -> list[str]:
-    """Names of enabled quantizers that would need an amax and have none."""
-    bad = []
-    for name, m in model.named_modules():
-        if not _is_quantizer(m):
-            continue
-        if not _quantizer_enabled(m):
-            continue
-        if _is_dynamic(m):
-            continue
-        if getattr(m, "amax", None) is None and getattr(m, "_min_range", None) is None:
-            bad.append(name or "<model>")
-    return bad
-
-
-def _is_quantizer(m) -> bool:
-    return type(m).__name__ in ("TensorQuantizer", "ScaledTensorQuantizer") or (
-        hasattr(m, "_if_quant") and hasattr(m, "num_bits") and hasattr(m, "amax"))
-
-
-def _quantizer_enabled(m) -> bool:
-    for attr in ("is_enabled", "enabled"):
-        v = getattr(m, attr, None)
-        if isinstance(v, bool):
-            if not v:
-                return False
-            break
-    if getattr(m, "_disabled", False):
-        return False
-    if getattr(m, "_if_quant", True) is False:
-        return False
-    return True
-
-
-def _is_dynamic(m) -> bool:
-    desc = getattr(m, "_quant_desc", None) or getattr(m, "quant_desc", None)
-    for obj in (m, desc):
-        if obj is None:
-            continue
-        d = getattr(obj, "dynamic", None)
-        if isinstance(d, bool) and d:
-            return True
-        if getattr(obj, "_dynamic", False) is True:
-            return True
-    bs = getattr(m, "block_sizes", None)
-    if isinstance(bs, dict) and bs.get("type") == "dynamic":
-        return True
-    return False
-
-
-@contextlib.contextmanager
-def _export_mode(model: torch.nn.Module):
-    """Quantizers call lq's ops during the export (``use_fb_fake_quant`` off): lq lowers them itself, exactly
-    (torch's fake_quantize_* cannot express narrow range and do not trace with torch.export)."""
-    classes = {cls for _, m in model.named_modules() if _is_quantizer(m) for cls in type(m).__mro__
-               if "use_fb_fake_quant" in vars(cls)}
-    saved = [(cls, cls.use_fb_fake_quant) for cls in classes]
-    for cls, _ in saved:
-        cls.use_fb_fake_quant = False
-    try:
-        yield
-    finally:
-        for cls, v in saved:
-            cls.use_fb_fake_quant = v
-
-
 # =========================================================================== helpers
-def _as_tuple(sample) -> tuple:
-    if isinstance(sample, torch.Tensor):
-        return (sample,)
-    if isinstance(sample, (tuple, list)):
-        return tuple(sample)
-    raise TypeError(f"sample_input must be a torch.Tensor or a tuple of tensors, got {type(sample).__name__}")
-
-
-def _flatten_out(out) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        res = []
-        for o in out:
-            res.extend(_flatten_out(o))
-        return res
-    if isinstance(out, dict):
-        res = []
-        for o in out.values():
-            res.extend(_flatten_out(o))
-        return res
-    raise TypeError(f"model output of type {type(out).__name__} is not supported (tensors, tuples, dicts)")
-
-
-def _grown(args: tuple, dims: list[dict[int, str]]) -> tuple:
-    """The sample at twice its size along its dynamic axes other than the batch (each concatenated with itself):
-    a second shape that a model with dynamic H and W, or a dynamic sequence length, must run on, with the same
-    value distribution. ``dims``: :func:`_dynamic_dims` of each tensor input (axes of one name grow together)."""
-    out, k = [], 0
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            for d, name in sorted(dims[k].items()):
-                if name != "batch":
-                    a = torch.cat([a, a], dim=d)
-            k += 1
-        out.append(a)
-    return tuple(out)
-
-
-def _extra_dims(dynamic_dims, tensors: list) -> list[dict[int, str]]:
-    """``dynamic_dims`` as ``{axis: name}`` per tensor input: a sequence of axes applies to every input that has
-    them (named ``dim<axis>``), a sequence of one mapping per input is taken as given."""
-    spec = list(dynamic_dims.values()) if isinstance(dynamic_dims, Mapping) else list(dynamic_dims)
-    if spec and all(isinstance(d, Mapping) for d in spec):
-        if isinstance(dynamic_dims, Mapping) or len(spec) != len(tensors):
-            raise ValueError(f"dynamic_dims: give one {{axis: name}} mapping per tensor input, in order ({len(tensors)} "
-                             f"input(s)), got {dynamic_dims!r}")
-        for m, a in zip(spec, tensors):
-            if any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < a.dim() or not isinstance(v, str)
-                   for d, v in m.items()):
-                raise ValueError(f"dynamic_dims: {m!r} is not allowed for an input of shape {tuple(a.shape)}: "
-                                 "{axis: name} with 0 <= axis < its rank and a str name")
-        return [dict(m) for m in spec]
-    if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in spec):
-        raise ValueError(f"dynamic_dims={dynamic_dims!r} is not allowed: axes >= 1 (dim 0 is dynamic_batch), or one "
-                         "{axis: name} mapping per input")
-    return [{d: f"dim{d}" for d in spec if d < a.dim()} for a in tensors]
-
-
-def _choose_opset(opset, model_has_fp8: bool) -> int:
-    if opset is None:
-        return 19 if model_has_fp8 else 17
-    if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
-        raise ValueError(f"opset={opset!r} is not allowed: expected an int in [{MIN_OPSET}, {MAX_OPSET}] "
-                         "(>= 13 for per-channel axis, >= 19 for FP8, >= 21 for blocked Q/DQ)")
-    return opset
-
-
-def _model_has_fp8(model) -> bool:
-    for _, m in model.named_modules():
-        if _is_quantizer(m) and getattr(m, "num_bits", None) == (4, 3) and _quantizer_enabled(m):
-            return True
-    return False
-
-
-def _dynamic_dims(a, dynamic_batch: bool, dynamic_spatial: bool, extra: Mapping[int, str] | None = None
-                  ) -> dict[int, str]:
-    """``{axis: name}`` of the dynamic axes of one input: dim 0 (batch), dims 2.. of an image-like input, and
-    its ``extra`` axes (from ``dynamic_dims``)."""
-    dims: dict[int, str] = {}
-    if not isinstance(a, torch.Tensor) or a.dim() == 0:
-        return dims
-    if dynamic_batch:
-        dims[0] = "batch"
-    if dynamic_spatial and a.dim() >= 3:
-        for d in range(2, a.dim()):
-            dims[d] = ("height", "width")[d - 2] if a.dim() == 4 else f"dim{d}"
-    dims.update(extra or {})
-    return dims
-
-
-def _export_dynamo(model, args, opset, input_names, output_names, dims) -> onnx.ModelProto:
-    table = _symbolic.translation_table()
-    kw: dict[str, Any] = {}
-    if any(dims):
-        shared: dict[str, Any] = {}
-        kw["dynamic_shapes"] = tuple(
-            {ax: shared.setdefault(nm, torch.export.Dim(nm, min=1 if nm == "batch" else 2)) for ax, nm in d.items()}
-            or None
-            for d in dims)
-    with warnings.catch_warnings(), _quiet_torch_onnx():
-        warnings.simplefilter("ignore")
-        prog = torch.onnx.export(model, args, dynamo=True, opset_version=max(opset, 18),
-                                 custom_translation_table=table, input_names=input_names,
-                                 output_names=output_names, optimize=True, verbose=False, **kw)
-    m = prog.model_proto
-    return m
-
-
-def _export_legacy(model, args, opset, input_names, output_names, dims) -> onnx.ModelProto:
-    _symbolic.register_legacy_symbolics()
-    kw: dict[str, Any] = {}
-    if any(dims):
-        axes = {n: d for n, d in zip(input_names, dims) if d}
-        if any(0 in d for d in dims):
-            axes.update({n: {0: "batch"} for n in output_names})
-        kw["dynamic_axes"] = axes
-    buf = io.BytesIO()
-    with warnings.catch_warnings(), _quiet_torch_onnx():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(model, args, buf, dynamo=False, opset_version=min(opset, 20), input_names=input_names,
-                          output_names=output_names, do_constant_folding=True,
-                          custom_opsets={_symbolic.DOMAIN: _symbolic.VERSION}, **kw)
-    return onnx.load_from_string(buf.getvalue())
-
-
-@contextlib.contextmanager
-def _quiet_torch_onnx():
-    names = ["torch.onnx", "torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes", "onnxscript",
-             "onnx_ir"]
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, lv in zip(loggers, levels):
-            lg.setLevel(lv)
-
-
-def _set_opset(model: onnx.ModelProto, opset: int, notes: list[str]) -> tuple[onnx.ModelProto, int]:
-    """Convert to ``opset`` when the exporter produced another one (the current exporter emits >= 18)."""
-    cur = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), opset)
-    if cur == opset:
-        return model, opset
-    from onnx import version_converter
-
-    try:
-        converted = version_converter.convert_version(model, opset)
-        onnx.checker.check_model(converted)
-        return converted, opset
-    except Exception as e:
-        notes.append(f"the exported graph has opset {cur}: conversion to the requested opset {opset} failed "
-                     f"({type(e).__name__}); the current torch.onnx exporter emits opset >= 18, use "
-                     f"dynamo=False for an older opset")
-        return model, cur
-
-
 def _count_qdq(model: onnx.ModelProto) -> dict[str, int]:
     c = Counter(n.op_type for n in all_nodes(model.graph))
     return {"QuantizeLinear": c.get("QuantizeLinear", 0), "DequantizeLinear": c.get("DequantizeLinear", 0)}
@@ -468,7 +154,7 @@ def export_onnx(
     for nm, v in (("rtol", rtol), ("atol", atol)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
             raise ValueError(f"{nm}={v!r} is not allowed: expected a float >= 0")
-    opset = _choose_opset(opset, _model_has_fp8(model))
+    opset = _torch_onnx.choose_opset(opset, _model_checks.model_has_fp8(model))
 
     bad = find_uncalibrated_quantizers(model)
     if bad:
@@ -478,7 +164,7 @@ def export_onnx(
             "or disable them) before exporting.")
 
     args = tuple(a.detach().cpu().float() if isinstance(a, torch.Tensor) and a.is_floating_point() else
-                 (a.detach().cpu() if isinstance(a, torch.Tensor) else a) for a in _as_tuple(sample_input))
+                 (a.detach().cpu() if isinstance(a, torch.Tensor) else a) for a in _torch_onnx.as_tuple(sample_input))
     device_type = next((p.device.type for p in model.parameters()), "cpu")
 
     # --- deep copy: the training model is never touched
@@ -486,18 +172,18 @@ def export_onnx(
     work = work.cpu().float().eval()
     for p in work.parameters():
         p.requires_grad_(False)
-    with torch.no_grad(), _export_mode(work):
-        ref_out = [o.detach().float().numpy() for o in _flatten_out(work(*args))]
+    with torch.no_grad(), _model_checks.export_mode(work):
+        ref_out = [o.detach().float().numpy() for o in _torch_onnx.flatten_out(work(*args))]
     cases = [(args, ref_out)]  # (inputs, PyTorch outputs) that verification compares onnxruntime with
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    dims = [_dynamic_dims(a, dynamic_batch, dynamic_spatial, extra)
-            for a, extra in zip(tensors, _extra_dims(dynamic_dims, tensors), strict=True)]
+    dims = [_torch_onnx.dynamic_dims(a, dynamic_batch, dynamic_spatial, extra)
+            for a, extra in zip(tensors, _torch_onnx.extra_dims(dynamic_dims, tensors), strict=True)]
     if any(name != "batch" for dd in dims for name in dd.values()):
-        grown = _grown(args, dims)
+        grown = _torch_onnx.grown(args, dims)
         what = "dynamic_spatial=True" if dynamic_spatial else f"dynamic_dims={dynamic_dims}"
         try:
-            with torch.no_grad(), _export_mode(work):
-                cases.append((grown, [o.detach().float().numpy() for o in _flatten_out(work(*grown))]))
+            with torch.no_grad(), _model_checks.export_mode(work):
+                cases.append((grown, [o.detach().float().numpy() for o in _torch_onnx.flatten_out(work(*grown))]))
         except Exception as e:
             raise ExportError(
                 f"{what}, but the model does not run on an input twice the sample's size along those axes "
@@ -515,12 +201,12 @@ def export_onnx(
         # a QuantLSTM traces as one placeholder per layer and direction (not one step per time step): the
         # current exporter only (the legacy one has no translation for it and keeps the unrolled steps)
         loops = _loop_ops.loop_mode(work) if dynamo else contextlib.nullcontext([])
-        with torch.no_grad(), _export_mode(work), loops as loop_notes:
+        with torch.no_grad(), _model_checks.export_mode(work), loops as loop_notes:
             notes.extend(loop_notes)
             if dynamo:
-                proto = _export_dynamo(work, args, opset, input_names, output_names, dims)
+                proto = _torch_onnx.export_dynamo(work, args, opset, input_names, output_names, dims)
             else:
-                proto = _export_legacy(work, args, opset, input_names, output_names, dims)
+                proto = _torch_onnx.export_legacy(work, args, opset, input_names, output_names, dims)
     except ExportError:
         raise
     except Exception as e:
@@ -584,7 +270,7 @@ def export_onnx(
     if not keep_metadata:
         _finish.strip_metadata(proto)
     _finish.remove_placeholder_opset(proto)
-    proto, opset = _set_opset(proto, opset, notes)
+    proto, opset = _torch_onnx.set_opset(proto, opset, notes)
     if any(n.domain == _symbolic.DOMAIN for n in proto.graph.node):  # pragma: no cover - defensive
         raise ExportError("internal error: an lq placeholder was left in the graph")
     if target == "onnxruntime" and risks:  # pragma: no cover - encode_int16_safe leaves none

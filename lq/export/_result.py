@@ -1,0 +1,102 @@
+"""What an export produced (:class:`ExportResult`) and the error raised when onnxruntime disagrees with PyTorch.
+
+Kept apart from the pipeline in :mod:`lq.export._export` so that callers and the callbacks can read the result
+without the exporter's machinery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from lq.export import _verify
+from lq.export._fold_bn import FoldRecord
+from lq.export._ir import ExportError, QuantNodeInfo
+from lq.export._kernel_report import LayerKernel
+
+
+class VerificationError(ExportError):
+    """onnxruntime's output differs from PyTorch's fake-quant output by more than the tolerance."""
+
+
+@dataclasses.dataclass
+class ExportResult:
+    """What :func:`export_onnx` produced.
+
+    Attributes:
+        path: the ONNX file.
+        opset: its default-domain opset.
+        exporter: "dynamo" or "legacy".
+        max_abs_diff: max |onnxruntime - PyTorch fake-quant| on the sample (None when not verified).
+        tolerance: the allowed difference (``atol + rtol * max|PyTorch output|``).
+        providers: onnxruntime execution providers used for verification.
+        file_size: bytes of the ONNX file.
+        quantized: every quantized tensor (layer, weight/activation, dtype, axis, scale).
+        folded_bn: BatchNorm layers folded (and those that could not be, with the reason).
+        ort_ops: op types of the graph onnxruntime runs after its optimizations (fusion check).
+        qdq_nodes: number of QuantizeLinear / DequantizeLinear nodes in the saved graph.
+        warnings: anything worth knowing (fusions that could not happen, clipped weights ...).
+        uint8_weights: layers whose int8 weights were stored as uint8 with zero point 128 (the same values) because
+            onnxruntime's u8 x s8 kernels could saturate int16 on them on CPUs without VNNI (see ``_int16``).
+        export_seconds: wall time of the export (PyTorch -> ONNX -> rewrites), without verification.
+        layer_kernels: for every quantized conv/gemm/matmul (and quantized join or pool), the kernel onnxruntime
+            runs and, when it is float, why (target onnxruntime with ``check_fusion``).
+        speedup: FP32 time / INT8 time in onnxruntime on the sample (1 thread, median of interleaved runs
+            against the same graph without its quantizers); None when not measured. Below 1 a warning names
+            the layers that run in float.
+    """
+
+    path: str
+    opset: int
+    exporter: str
+    max_abs_diff: float | None
+    tolerance: float | None
+    providers: list[str]
+    file_size: int
+    quantized: list[QuantNodeInfo]
+    folded_bn: list[FoldRecord]
+    ort_ops: Counter
+    qdq_nodes: dict[str, int]
+    input_names: list[str]
+    output_names: list[str]
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    export_seconds: float = 0.0
+    uint8_weights: list[str] = dataclasses.field(default_factory=list)
+    layer_kernels: list[LayerKernel] = dataclasses.field(default_factory=list)
+    speedup: float | None = None
+
+    def kernel_of(self, layer: str) -> str | None:
+        """What onnxruntime runs for ``layer`` (e.g. ``QLinearConv``, or ``Conv (float: <why>)``), None if unknown."""
+        texts = [k.text() for k in self.layer_kernels if k.layer == layer]
+        return ", ".join(dict.fromkeys(texts)) if texts else None
+
+    @property
+    def quantized_layers(self) -> list[str]:
+        return sorted({q.layer for q in self.quantized})
+
+    @property
+    def int8_kernels(self) -> dict[str, int]:
+        """onnxruntime integer kernels in the optimized graph (QLinearConv, QLinearMatMul, QLinearAdd, QGemm ...)."""
+        return {k: v for k, v in self.ort_ops.items() if k in _verify.INT8_KERNELS}
+
+    def summary(self) -> str:
+        lines = [f"ONNX export: {self.path} ({self.file_size / 1024:.1f} KiB, opset {self.opset}, {self.exporter})"]
+        if self.max_abs_diff is not None:
+            lines.append(f"  onnxruntime vs PyTorch fake-quant: max abs diff {self.max_abs_diff:.3g} "
+                         f"(tolerance {self.tolerance:.3g}, providers {', '.join(self.providers)})")
+        lines.append(f"  Q/DQ nodes: {self.qdq_nodes}; quantized tensors: {len(self.quantized)}")
+        folded = [f.bn for f in self.folded_bn if f.skipped is None]
+        if folded:
+            lines.append(f"  BatchNorm folded: {', '.join(folded)}")
+        if self.int8_kernels:
+            lines.append("  onnxruntime INT8 kernels: " + ", ".join(f"{k} x{v}" for k, v in self.int8_kernels.items()))
+        if self.layer_kernels:
+            n_int = sum(k.integer for k in self.layer_kernels)
+            lines.append(f"  layers on integer kernels: {n_int} of {len(self.layer_kernels)}")
+        if self.speedup is not None:
+            lines.append(f"  onnxruntime speed on the sample (1 thread): {self.speedup:.2f}x the FP32 graph")
+        for w in self.warnings:
+            lines.append(f"  warning: {w}")
+        return "\n".join(lines)
+
+    __str__ = summary
