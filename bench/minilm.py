@@ -153,17 +153,18 @@ def fixed_length(tok, texts: list[str], max_length: int = 64) -> dict[str, torch
     return {n: enc[n] for n in INPUT_NAMES}
 
 
-def export_fp32(model, path: str, sample: dict[str, torch.Tensor]) -> None:
+def export_fp32(model, path: str, sample: dict[str, torch.Tensor], dynamic_sequence: bool = False) -> None:
     """The FP32 reference file: :class:`SentenceEmbedding` of ``model`` through ``torch.onnx.export``, the
-    batch axis dynamic."""
+    batch axis dynamic (and the sequence axis with ``dynamic_sequence``)."""
     import warnings
 
     names = list(INPUT_NAMES)
+    seq = {1: "sequence"} if dynamic_sequence else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(SentenceEmbedding(model).eval(), tuple(sample[n][:2] for n in names), path, dynamo=False,
                           opset_version=17, input_names=names, output_names=["embedding"],
-                          dynamic_axes={n: {0: "batch"} for n in names + ["embedding"]})
+                          dynamic_axes={**{n: {0: "batch", **seq} for n in names}, "embedding": {0: "batch"}})
 
 
 @torch.no_grad()

@@ -20,7 +20,8 @@ all-MiniLM-L6-v2 from transformers (when its data wheels are installed), then fo
 Targets (issue 15; the CPU's ISA is printed with every table): every conv/linear an integer kernel unless
 the report says why; at least as fast as ``quantize_static``; >= 1.6x FP32 on the two ResNets on AVX2
 (>= 2.3x on AVX-512 VNNI), >= 1.3x on the transformers; never slower than FP32; PTQ accuracy within 0.5
-point of FP32 (MiniLM: embeddings at least as close to FP32 as onnxruntime's tools').
+point of FP32 (MiniLM: embeddings at least as close to FP32 as onnxruntime's tools', and >= 0.99 mean cosine
+with the default recipe).
 """
 
 from __future__ import annotations
@@ -325,7 +326,9 @@ def run_minilm(fast: bool, d: str, log) -> dict:
     model, tok = M.load_model()
     data = M.load_text(fast=fast)
     sentences = M.fixed_length(tok, data.polarity[: 40 if fast else 200], 64)
-    calib = [M.fixed_length(tok, data.calib[i: i + 8], 64) for i in range(0, 16 if fast else 64, 8)]
+    # the calibration documents at the model's context length as bench.accuracy has them (M.MAX_LENGTH), not cut
+    # to the 64 tokens the files are timed at: cut, lq's default recipe reaches cosine 0.988 instead of 0.990
+    calib = [M.fixed_length(tok, data.calib[i: i + 8], M.MAX_LENGTH) for i in range(0, 16 if fast else 64, 8)]
     feeds = {k: v.numpy() for k, v in sentences.items()}
     with torch.no_grad():
         ref = M.SentenceEmbedding(model).eval()(**sentences)
@@ -335,7 +338,7 @@ def run_minilm(fast: bool, d: str, log) -> dict:
 
     row: dict = {"model": MINILM, "metric": "mean cosine to FP32, %", "acc": {"FP32": 100.0}, "notes": []}
     paths = {"FP32 export": os.path.join(d, "fp32.onnx")}
-    M.export_fp32(model, paths["FP32 export"], sentences)
+    M.export_fp32(model, paths["FP32 export"], sentences, dynamic_sequence=True)  # quantize_static calibrates on it
     for name, rr in ((LQ_DEFAULT, False), (LQ_REDUCE, True)):
         q = M.SentenceEmbedding(copy.deepcopy(model)).eval()
         quantize_model(q, quant_desc_weight=Int8ReduceRangeConfig().weight.to_descriptor() if rr else None)
@@ -346,7 +349,7 @@ def run_minilm(fast: bool, d: str, log) -> dict:
         t = time.perf_counter()
         # rounding flips compound through six layers: a loose bound here, the cosine is the measure
         res = export_onnx(q, (sentences["input_ids"][:8], sentences["attention_mask"][:8]), p,
-                          input_names=list(M.INPUT_NAMES), rtol=0.25)
+                          input_names=list(M.INPUT_NAMES), dynamic_dims=(1,), rtol=0.25)
         paths[name] = p
         row["acc"][name] = cosine(make_session(p).run(None, feeds)[0])
         _count_kernels(row, name, res, time.perf_counter() - t)
@@ -387,6 +390,10 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
             ort = max((v, k) for k, v in r["acc"].items() if k.startswith("ORT"))
             out.append((f"{r['model']}: embeddings at least as close to FP32 as onnxruntime's tools' (mean cosine)",
                         f"{acc / 100:.4f} ({best}) vs {ort[0] / 100:.4f} ({ort[1]})", acc >= ort[0]))
+            default = r["acc"].get(LQ_DEFAULT)
+            if default is not None:
+                out.append((f"{r['model']}: the default recipe's embeddings (8-bit weights) >= 0.99 mean cosine to "
+                            "FP32", f"{default / 100:.4f}", default >= 99.0))
         elif acc is not None:
             out.append((f"{r['model']}: PTQ within 0.5 point of FP32", f"{acc:.2f}% vs {r['acc']['FP32']:.2f}%",
                         acc >= r["acc"]["FP32"] - 0.5))
