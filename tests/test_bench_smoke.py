@@ -220,3 +220,29 @@ def test_conv_kernels_fast(runs):
         assert _finite(r["fp32_ms"]) and _finite(r["int8_ms"]) and r["fp32_ms"] > 0 and r["int8_ms"] > 0
     md = (out / "conv_kernels" / "conv_kernels.md").read_text()
     assert "(CPU: " in md and "Command: `python -m bench.conv_kernels --fast" in md
+
+
+def _minilm_row(default_cos: float, rr_cos: float, dyn_cos: float, rr_speed: float, qs_speed: float) -> dict:
+    from bench import ordinary as O
+
+    return {"model": O.MINILM, "isa": "AVX-512 VNNI", "metric": "mean cosine to FP32, %", "notes": [],
+            "speedup": {O.LQ_DEFAULT: {"median": 1.3}, O.LQ_REDUCE: {"median": rr_speed},
+                        O.ORT_QS: {"median": qs_speed}, O.ORT_DYNAMIC: {"median": 2.3}},
+            "acc": {"FP32": 100.0, O.LQ_DEFAULT: default_cos, O.LQ_REDUCE: rr_cos, O.ORT_QS: 40.0,
+                    O.ORT_DYNAMIC: dyn_cos},
+            "kernels": {O.LQ_REDUCE: {"integer": 36, "layers": 36, "by_choice": 0}}}
+
+
+@pytest.mark.parametrize("default_cos, met", [(99.05, True), (98.81, False)])
+def test_ordinary_minilm_targets_pass_and_fail(default_cos, met):
+    """bench.ordinary's MiniLM targets are computed from the row, not assumed: the default recipe's cosine
+    against 0.99, the fastest lq file's cosine against onnxruntime's best, its speed against quantize_static."""
+    from bench.ordinary import targets
+
+    got = {name.split(": ", 1)[1]: ok for name, _, ok in targets([_minilm_row(default_cos, 98.7, 95.7, 2.36, 2.14)])}
+    assert got["the default recipe's embeddings (8-bit weights) >= 0.99 mean cosine to FP32"] is met
+    assert got["embeddings at least as close to FP32 as onnxruntime's tools' (mean cosine)"]
+    assert got["at least as fast as quantize_static"] and got["INT8 >= 1.3x FP32 (AVX-512 VNNI)"]
+    worse = {name.split(": ", 1)[1]: ok for name, _, ok in targets([_minilm_row(default_cos, 95.0, 95.7, 2.0, 2.14)])}
+    assert not worse["embeddings at least as close to FP32 as onnxruntime's tools' (mean cosine)"]
+    assert not worse["at least as fast as quantize_static"]
