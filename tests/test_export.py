@@ -13,6 +13,8 @@ from onnx import numpy_helper
 from torch import nn
 
 import lq.nn as qnn
+from lq.calibration import calibrate_model
+from lq.convert import quantize_model
 from lq.export import ExportError, VerificationError, export_onnx, optimized_op_counts
 from lq.tensor_quant import QuantDescriptor
 
@@ -516,3 +518,30 @@ def test_only_nearest_resize_lets_a_quantizer_move_across_it():
     assert commutes("Resize", helper.make_node("Resize", ["x", "", "s"], ["y"]))  # the default mode
     assert not commutes("Resize", helper.make_node("Resize", ["x", "", "s"], ["y"], mode="linear"))
     assert not commutes("Resize")  # no node: unknown mode
+
+
+def test_a_mean_exports_at_the_default_opset_17_without_a_warning(tmp_path):
+    """``x.mean((2, 3))`` exports as ReduceMean with ``noop_with_empty_axes`` at opset 18; onnx's version
+    converter keeps that attribute on the way to 17, where ReduceMean has none. The export drops it (it is the
+    default), so the file is opset 17 as documented, with no warning, and still equals PyTorch."""
+    class MeanNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.fc = nn.Conv2d(3, 8, 3), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc(self.c(x).mean((2, 3)))
+
+    x = torch.randn(4, 3, 16, 16)
+    model = MeanNet().eval()
+    quantize_model(model)
+    with torch.no_grad():
+        calibrate_model(model, [x], method="max")
+    res = export_onnx(model, x, str(tmp_path / "m.onnx"))
+    assert res.opset == 17 and not [w for w in res.warnings if "opset" in w], res.warnings
+    m = onnx.load(res.path)
+    assert [o.version for o in m.opset_import if o.domain in ("", "ai.onnx")] == [17]
+    (mean,) = [n for n in m.graph.node if n.op_type == "ReduceMean"]
+    assert "noop_with_empty_axes" not in [a.name for a in mean.attribute]
+    onnx.checker.check_model(m)
+    assert res.max_abs_diff is not None and res.max_abs_diff <= res.tolerance

@@ -247,3 +247,38 @@ def _run(path, x, level):
     opts = ort.SessionOptions()
     opts.graph_optimization_level = level
     return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"]).run(None, {"input": x.numpy()})[0]
+
+
+class LeakyPoolNet(nn.Module):
+    """A 1-channel stem (float by choice), a conv read by LeakyReLU then a max pool (the export pools first),
+    a conv the next one's quantizer reads (integer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.gn = nn.Conv2d(1, 8, 3, padding=1), nn.GroupNorm(4, 8)
+        self.c1, self.act, self.pool = nn.Conv2d(8, 16, 3, padding=1), nn.LeakyReLU(0.1), nn.MaxPool2d(2)
+        self.c2, self.c3 = nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1)
+
+    def forward(self, x):
+        return self.c3(torch.relu(self.c2(self.pool(self.act(self.c1(self.gn(self.stem(x)))))))).mean((2, 3))
+
+
+def test_float_warning_counts_the_layers_it_names_and_a_moved_pool_names_the_activation(tmp_path):
+    """The export's "runs N in float" warning counts exactly the quantized layers it lists (not the float-by-choice
+    stem, which the report explains per layer), and a conv whose max pool was moved above its activation is
+    reported as read by the pool, then by the activation."""
+    x = torch.randn(4, 1, 16, 16)
+    res = _export(_quantized(LeakyPoolNet(), x), x, tmp_path)
+    kernels = {k.layer: k for k in res.layer_kernels}
+    assert kernels["stem"].by_choice and kernels["c2"].kernel == "QLinearConv"
+    assert "pool (MaxPool), then by act (LeakyRelu), without a quantizer" in kernels["c1"].reason, kernels["c1"]
+    (note,) = [w for w in res.warnings if w.startswith("onnxruntime runs")]
+    floats = [k.layer for k in res.layer_kernels if not k.integer and not k.by_choice]
+    assert note.startswith(f"onnxruntime runs {len(floats)} quantized conv/gemm/matmul in float: "), note
+    assert sorted(floats) == ["c1", "c3"] and all(f"{name}: " in note for name in floats), note
+    # a model whose only float conv is the stem, by choice: nothing to warn about
+    model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.GroupNorm(4, 8), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 12 * 12, 4))
+    res = _export(_quantized(model, x), x, tmp_path)
+    assert [k.layer for k in res.layer_kernels if not k.integer] == ["0"] and res.layer_kernels[0].by_choice
+    assert not [w for w in res.warnings if w.startswith("onnxruntime runs")], res.warnings

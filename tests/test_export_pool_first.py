@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from lq.calibration import calibrate_model
+from lq.config import QuantizerConfig
 from lq.convert import quantize_model
 from lq.export import export_onnx
 from lq.export._ir import Graph
@@ -27,8 +28,8 @@ torch.set_flush_denormal(True)
 LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_ALL")
 
 
-def _graph(act: str, slope: np.ndarray | float, quantized: bool) -> onnx.ModelProto:
-    """x -> act [-> Q -> DQ] -> MaxPool(2, ceil) -> y, float NCHW (1, 4, 7, 7)."""
+def _graph(act: str, slope: np.ndarray | float, quantized: bool, narrow: bool = False) -> onnx.ModelProto:
+    """x -> act [-> Q [-> Max(q, 1): narrow range] -> DQ] -> MaxPool(2, ceil) -> y, float NCHW (1, 4, 7, 7)."""
     inits, nodes = [], []
     if act == "PRelu":
         inits.append(numpy_helper.from_array(np.asarray(slope, np.float32), "slope"))
@@ -39,8 +40,11 @@ def _graph(act: str, slope: np.ndarray | float, quantized: bool) -> onnx.ModelPr
     if quantized:
         inits += [numpy_helper.from_array(np.array(0.05, np.float32), "s"),
                   numpy_helper.from_array(np.array(128, np.uint8), "z")]
-        nodes += [helper.make_node("QuantizeLinear", ["a", "s", "z"], ["q"]),
-                  helper.make_node("DequantizeLinear", ["q", "s", "z"], ["dq"])]
+        nodes.append(helper.make_node("QuantizeLinear", ["a", "s", "z"], ["q"]))
+        if narrow:  # uint8 with zero point 128 stops at 1 (-127), as lq's narrow-range activations do
+            inits.append(numpy_helper.from_array(np.array(1, np.uint8), "lo"))
+            nodes.append(helper.make_node("Max", ["q", "lo"], ["q_narrow"]))
+        nodes.append(helper.make_node("DequantizeLinear", ["q_narrow" if narrow else "q", "s", "z"], ["dq"]))
         pooled_in = "dq"
     nodes.append(helper.make_node("MaxPool", [pooled_in], ["y"], kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1))
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 7, 7])],
@@ -64,10 +68,10 @@ def _rewrite(model: onnx.ModelProto) -> tuple[int, onnx.ModelProto]:
 PER_CHANNEL = np.array([0.0, 0.1, 0.25, 0.7], np.float32).reshape(4, 1, 1)
 
 
-@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("quantized,narrow", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("act,slope", [("PRelu", PER_CHANNEL), ("PRelu", np.float32(0.25)), ("LeakyRelu", 0.1)])
-def test_pool_moves_above_a_non_decreasing_activation_with_the_same_numbers(act, slope, quantized):
-    model = _graph(act, slope, quantized)
+def test_pool_moves_above_a_non_decreasing_activation_with_the_same_numbers(act, slope, quantized, narrow):
+    model = _graph(act, slope, quantized, narrow)
     moved, new = _rewrite(model)
     assert moved == 1
     ops = [n.op_type for n in new.graph.node]
@@ -110,12 +114,14 @@ class PNetShape(nn.Module):
         return self.c3(self.a2(self.c2(self.pool(self.a1(self.c1(x))))))
 
 
-@pytest.mark.parametrize("negative", [False, True])
-def test_export_pools_before_prelu_and_equals_pytorch(tmp_path, negative):
+@pytest.mark.parametrize("negative,narrow", [(False, False), (True, False), (False, True)])
+def test_export_pools_before_prelu_and_equals_pytorch(tmp_path, negative, narrow):
+    """``narrow``: narrow-range input quantizers (QuantizerConfig's default, so QuantCallback's), exported with an
+    integer Max after each QuantizeLinear that the pool moves above too."""
     torch.manual_seed(0)
     slopes = [0.1, 0.2, 0.25, 0.3, 0.05, 0.4, 0.15, -0.2 if negative else 0.35]
     model = PNetShape(slopes)
-    quantize_model(model)
+    quantize_model(model, quant_desc_input=QuantizerConfig().to_descriptor() if narrow else None)
     model.eval()
     calib = [2 * torch.randn(8, 4, 21, 21, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
     with torch.no_grad():
@@ -125,6 +131,7 @@ def test_export_pools_before_prelu_and_equals_pytorch(tmp_path, negative):
     prod = {o: n for n in g.node for o in n.output}
     (pool,) = [n for n in g.node if n.op_type == "MaxPool"]
     ops = [n.op_type for n in g.node]
+    assert ("Max" in ops) == narrow, ops
     if negative:  # the pool reads the quantized PReLU output, as PyTorch computes it
         assert prod[pool.input[0]].op_type != "Conv" and ops.index("PRelu") < ops.index("MaxPool"), ops
     else:  # it reads the conv: the first PReLU and the quantizer run on the pooled tensor

@@ -263,8 +263,9 @@ def export_onnx(
     unfused = _kernel_report.unfused_layers(proto, layer_of) if target == "onnxruntime" else []
     risks = _int16.int16_risks(proto)  # before the metadata goes: it names the layers
     if u8_weights:
-        notes.append(f"{len(u8_weights)} layer(s) with 8-bit weights run on onnxruntime's uint8 x uint8 kernels "
-                     "(their int8 x uint8 pair sums could saturate int16 on CPUs without VNNI; the stored values "
+        shown = ", ".join(u8_weights[:6]) + (f" and {len(u8_weights) - 6} more" if len(u8_weights) > 6 else "")
+        notes.append(f"{len(u8_weights)} layer(s) with 8-bit weights ({shown}) run on onnxruntime's uint8 x uint8 "
+                     "kernels (their int8 x uint8 pair sums could saturate int16 on CPUs without VNNI; the stored values "
                      "are the same): the int8_reduce_range recipe (7-bit weights, used in calibration and QAT too) "
                      "keeps the faster uint8 x int8 kernels on every CPU")
     if not keep_metadata:
@@ -351,9 +352,12 @@ def export_onnx(
             notes.append(f"could not inspect onnxruntime's optimized graph: {_short(e)}")
     if check_fusion and target == "onnxruntime" and ort_ops:
         n_float = sum(ort_ops.get(k, 0) for k in ("Conv", "FusedConv", "Gemm", "MatMul", "FusedGemm", "FusedMatMul"))
-        if n_float:
-            why = "; ".join(unfused) if unfused else "see onnxruntime's optimized graph"
-            notes.append(f"onnxruntime runs {n_float} conv/gemm/matmul in float: {why}")
+        n_chosen = len({k.layer for k in kernels if k.by_choice})  # float by choice: faster, and said so per layer
+        if unfused:
+            notes.append(f"onnxruntime runs {len(unfused)} quantized conv/gemm/matmul in float: {'; '.join(unfused)}")
+        elif n_float > n_chosen:
+            notes.append(f"onnxruntime runs {n_float - n_chosen} conv/gemm/matmul in float (not quantized, or not "
+                         "fused by onnxruntime): see its optimized graph")
     speed = None
     if twin is not None:
         speed = _speed_note(data, twin, cases[0][0], providers, kernels, notes)

@@ -73,10 +73,15 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: 
             named.setdefault(layer if layer not in (None, me) else "", set()).add(u.op_type)
         readers = sorted(f"{layer} ({', '.join(sorted(ops))})" if layer else ", ".join(sorted(ops))
                          for layer, ops in named.items())
+        # a max pool the export moved above an activation (_pool_first): name the activation behind it too
+        behind = [f"{(layer_of or {}).get(v.name) or v.op_type} ({v.op_type})" for u in floats if u.op_type == "MaxPool"
+                  for v in cons.get(u.output[0], []) if v.op_type != "QuantizeLinear"]
+        what = "a conv/gemm" if n.op_type in _COMPUTE else f"{n.op_type}"
         hint = ("quantize the add's inputs, e.g. lq.nn.QuantAdd for a residual add"
                 if any(u.op_type == "Add" for u in floats) else
-                "onnxruntime runs a conv/gemm as an integer kernel only when a QuantizeLinear reads its output")
-        return f"its output is read by {', '.join(readers)} without a quantizer ({hint})"
+                f"onnxruntime runs {what} as an integer kernel only when a QuantizeLinear reads its output")
+        then = f", then by {', '.join(sorted(set(behind)))}," if behind else ""
+        return f"its output is read by {', '.join(readers)}{then} without a quantizer ({hint})"
     return None
 
 

@@ -4,8 +4,8 @@
 the largest input of a window gives the largest output. PReLU and LeakyReLU are non-decreasing exactly when
 their slopes are >= 0, and stay so in float (``a * x`` rounded to nearest never reverses an order for
 ``a >= 0``), so the swap is exact; with a negative slope it is not, and the pool stays where it is. Per-tensor
-QuantizeLinear/DequantizeLinear between the two (an input quantizer of the pool or of the next layer) are
-non-decreasing too and move with the activation.
+QuantizeLinear/DequantizeLinear between the two (an input quantizer of the pool or of the next layer), and the
+integer ``Max`` that keeps a narrow-range quantizer off -128, are non-decreasing too and move with the activation.
 
 Why: the activation then runs on the pooled tensor, a quarter of the values behind a 2x2 pool, and the pool
 reads the float output of the conv before it (onnxruntime's blocked float pool) instead of int8 values in
@@ -71,4 +71,7 @@ def _non_decreasing(g: Graph, n) -> bool:
     if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
         scale = g.const(n.input[1])
         return scale is not None and scale.size == 1 and float(scale.reshape(())) > 0
+    if n.op_type in ("Max", "Min") and len(n.input) == 2:  # a narrow-range clamp of the integers: max(q, -127)
+        bound = g.const(n.input[1])
+        return bound is not None and bound.size == 1
     return False

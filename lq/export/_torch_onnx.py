@@ -165,6 +165,8 @@ def set_opset(model: onnx.ModelProto, opset: int, notes: list[str]) -> tuple[onn
 
     try:
         converted = version_converter.convert_version(model, opset)
+        if opset < 18:
+            _drop_default_noop_with_empty_axes(converted.graph)
         onnx.checker.check_model(converted)
         return converted, opset
     except Exception as e:
@@ -172,3 +174,20 @@ def set_opset(model: onnx.ModelProto, opset: int, notes: list[str]) -> tuple[onn
                      f"({type(e).__name__}); the current torch.onnx exporter emits opset >= 18, use "
                      f"dynamo=False for an older opset")
         return model, cur
+
+
+def _drop_default_noop_with_empty_axes(graph: onnx.GraphProto) -> None:
+    """onnx's version converter takes a Reduce* op (other than ReduceSum) from opset 18 down with its
+    ``noop_with_empty_axes`` attribute, which those ops only have from 18 on, and the checker then rejects the
+    file (a plain ``x.mean((2, 3))`` does it). At its default 0 the attribute says nothing: drop it."""
+    for n in graph.node:
+        if n.op_type.startswith("Reduce") and n.op_type != "ReduceSum":
+            keep = [a for a in n.attribute if not (a.name == "noop_with_empty_axes" and a.i == 0)]
+            if len(keep) != len(n.attribute):
+                del n.attribute[:]
+                n.attribute.extend(keep)
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                _drop_default_noop_with_empty_axes(a.g)
+            for sub in a.graphs:
+                _drop_default_noop_with_empty_axes(sub)
