@@ -21,6 +21,7 @@ from lq.convert import quantize_model
 from lq.export import export_onnx
 from lq.export._ir import Graph
 from lq.export._pool_first import pool_before_activations
+from lq.export._verify import make_session
 
 ort = pytest.importorskip("onnxruntime")
 torch.set_flush_denormal(True)
@@ -53,9 +54,8 @@ def _graph(act: str, slope: np.ndarray | float, quantized: bool, narrow: bool = 
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray, level: str) -> np.ndarray:
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess = make_session(model.SerializeToString(), ["CPUExecutionProvider"],
+                        graph_optimization_level=getattr(ort.GraphOptimizationLevel, level))
     return sess.run(None, {"x": x})[0]
 
 

@@ -76,7 +76,7 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: 
         # a max pool the export moved above an activation (_pool_first): name the activation behind it too
         behind = [f"{(layer_of or {}).get(v.name) or v.op_type} ({v.op_type})" for u in floats if u.op_type == "MaxPool"
                   for v in cons.get(u.output[0], []) if v.op_type != "QuantizeLinear"]
-        what = "a conv/gemm" if n.op_type in _COMPUTE else f"{n.op_type}"
+        what = "a conv/gemm" if n.op_type in _COMPUTE else n.op_type
         hint = ("quantize the add's inputs, e.g. lq.nn.QuantAdd for a residual add"
                 if any(u.op_type == "Add" for u in floats) else
                 f"onnxruntime runs {what} as an integer kernel only when a QuantizeLinear reads its output")

@@ -17,6 +17,7 @@ import onnx
 import torch
 
 from lq.export import _symbolic
+from lq.export._ir import all_nodes
 
 MIN_OPSET, MAX_OPSET = 13, 23
 
@@ -89,9 +90,8 @@ def choose_opset(opset, model_has_fp8: bool) -> int:
     return opset
 
 
-
 def dynamic_dims(a, dynamic_batch: bool, dynamic_spatial: bool, extra: Mapping[int, str] | None = None
-                  ) -> dict[int, str]:
+                 ) -> dict[int, str]:
     """``{axis: name}`` of the dynamic axes of one input: dim 0 (batch), dims 2.. of an image-like input, and
     its ``extra`` axes (from ``dynamic_dims``)."""
     dims: dict[int, str] = {}
@@ -120,8 +120,7 @@ def export_dynamo(model, args, opset, input_names, output_names, dims) -> onnx.M
         prog = torch.onnx.export(model, args, dynamo=True, opset_version=max(opset, 18),
                                  custom_translation_table=table, input_names=input_names,
                                  output_names=output_names, optimize=True, verbose=False, **kw)
-    m = prog.model_proto
-    return m
+    return prog.model_proto
 
 
 def export_legacy(model, args, opset, input_names, output_names, dims) -> onnx.ModelProto:
@@ -180,14 +179,9 @@ def _drop_default_noop_with_empty_axes(graph: onnx.GraphProto) -> None:
     """onnx's version converter takes a Reduce* op (other than ReduceSum) from opset 18 down with its
     ``noop_with_empty_axes`` attribute, which those ops only have from 18 on, and the checker then rejects the
     file (a plain ``x.mean((2, 3))`` does it). At its default 0 the attribute says nothing: drop it."""
-    for n in graph.node:
+    for n in all_nodes(graph):
         if n.op_type.startswith("Reduce") and n.op_type != "ReduceSum":
             keep = [a for a in n.attribute if not (a.name == "noop_with_empty_axes" and a.i == 0)]
             if len(keep) != len(n.attribute):
                 del n.attribute[:]
                 n.attribute.extend(keep)
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                _drop_default_noop_with_empty_axes(a.g)
-            for sub in a.graphs:
-                _drop_default_noop_with_empty_axes(sub)
