@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import torch
 
-from lq.export import (_finish, _float_convs, _float_twin, _fold_bn, _fold_constants, _int16, _kernel_report,
+from lq.export import (_channel_affine, _finish, _float_convs, _float_twin, _fold_bn, _fold_constants, _int16, _kernel_report,
                        _loop_ops, _loops, _lower, _model_checks, _placement, _pool_first, _symbolic, _timing,
                        _torch_onnx, _verify)
 from lq.export._fold_bn import FoldRecord
@@ -255,9 +255,12 @@ def export_onnx(
         if f.clipped:
             notes.append(f"folding '{f.bn}' flipped the sign of {f.clipped} weight(s) at -128, clipped to 127")
     proto = g.finalize()
-    ranks = _finish.value_ranks(proto)
+    shapes = _finish.value_shapes(proto)
     g = Graph(proto)
-    if _placement.global_pools(g, ranks):
+    changed = _placement.global_pools(g, {k: len(v) for k, v in shapes.items()})
+    if target == "onnxruntime":
+        changed += _channel_affine.affines_as_batchnorm(g, shapes)
+    if changed:
         proto = g.finalize()
     layer_of = {n.name: layer_name(n) for n in all_nodes(proto.graph)}
     unfused = _kernel_report.unfused_layers(proto, layer_of) if target == "onnxruntime" else []

@@ -126,8 +126,8 @@ def remove_placeholder_opset(model: onnx.ModelProto) -> None:
             model.functions.remove(f)
 
 
-def value_ranks(model: onnx.ModelProto) -> dict[str, int]:
-    """Rank of every value shape inference can tell."""
+def value_shapes(model: onnx.ModelProto) -> dict[str, tuple]:
+    """Shape of every value shape inference can tell: a tuple of ints, None where a dimension is symbolic."""
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     except Exception:
@@ -136,7 +136,7 @@ def value_ranks(model: onnx.ModelProto) -> dict[str, int]:
     for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
         t = vi.type.tensor_type
         if t.HasField("shape"):
-            out[vi.name] = len(t.shape.dim)
+            out[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
     return out
 
 
