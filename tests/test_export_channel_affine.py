@@ -17,13 +17,12 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from lq.calibration import calibrate_model
-from lq.convert import quantize_model
-from lq.export import export_onnx
 from lq.export._channel_affine import affines_as_batchnorm
 from lq.export._finish import value_shapes
 from lq.export._ir import Graph
 from lq.export._verify import make_session
+
+from _export_checks import assert_file_matches_pytorch, quantize_calibrate_export
 
 ort = pytest.importorskip("onnxruntime")
 torch.set_flush_denormal(True)
@@ -111,23 +110,11 @@ class GNBlock(nn.Module):
 def test_exported_groupnorm_affine_is_one_batchnorm_for_onnxruntime(tmp_path, target):
     torch.manual_seed(0)
     model = GNBlock()
-    quantize_model(model)
-    model.eval()
     calib = [torch.randn(4, 16, 12, 12, generator=torch.Generator().manual_seed(s)) for s in (3, 4)]
-    with torch.no_grad():
-        calibrate_model(model, calib, method="max")
-    res = export_onnx(model, calib[0], str(tmp_path / "gn.onnx"), target=target)
-    ops = [n.op_type for n in onnx.load(res.path).graph.node]
+    res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "gn.onnx"), target=target)
     assert ops.count("InstanceNormalization") == 1
     if target == "onnxruntime":
         assert ops.count("BatchNormalization") == 1 and ops.count("Mul") == 1, ops  # the Mul of SiLU is left
     else:
         assert "BatchNormalization" not in ops and ops.count("Mul") == 2, ops
-    x = torch.randn(4, 16, 12, 12, generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        want = model(x).numpy()
-    sess = ort.InferenceSession(res.path, providers=["CPUExecutionProvider"])
-    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
-    assert res.max_abs_diff is not None and res.max_abs_diff <= res.tolerance
-    # the export's own tolerance, on a second input (a rounding tie in a quantizer may move one step)
-    assert np.abs(got - want).max() <= res.tolerance
+    assert_file_matches_pytorch(model, res, torch.randn(4, 16, 12, 12, generator=torch.Generator().manual_seed(5)))

@@ -1,0 +1,35 @@
+"""Shared steps of the export-pass tests: quantize, calibrate and export a small model; check the file
+against PyTorch's fake-quant model on a second input."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import torch
+
+from lq.calibration import calibrate_model
+from lq.convert import quantize_model
+from lq.export import export_onnx
+
+
+def quantize_calibrate_export(model: torch.nn.Module, calib: list, path: str, **export_kw):
+    """``quantize_model`` + max calibration on ``calib`` + ``export_onnx``: (the result, the file's op types)."""
+    quantize_model(model)
+    model.eval()
+    with torch.no_grad():
+        calibrate_model(model, calib, method="max")
+    res = export_onnx(model, calib[0], path, **export_kw)
+    return res, [n.op_type for n in onnx.load(res.path).graph.node]
+
+
+def assert_file_matches_pytorch(model: torch.nn.Module, res, x: torch.Tensor) -> None:
+    """The export verified itself, and onnxruntime's output on ``x`` is within the export's own tolerance
+    of PyTorch's (a rounding tie in a quantizer may move one step)."""
+    import onnxruntime as ort
+
+    assert res.max_abs_diff is not None and res.max_abs_diff <= res.tolerance
+    with torch.no_grad():
+        want = model(x).numpy()
+    sess = ort.InferenceSession(res.path, providers=["CPUExecutionProvider"])
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    assert np.abs(got - want).max() <= res.tolerance

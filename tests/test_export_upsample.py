@@ -1,0 +1,144 @@
+"""Nearest upsampling of a conv's quantized output as a channels-last Expand (:mod:`lq.export._upsample`).
+
+Pure data movement, so the rewritten graph must give onnxruntime's numbers of the original Resize bit for bit
+(optimizations on and off, batch and spatial size dynamic); resizes the rewrite would not reproduce (other
+modes and coordinates, fractional factors, a Q with another scale) or that onnxruntime runs in NCHW anyway (no
+conv writes the tensor) or with too few channels keep their Resize; an exported U-Net-shaped model has no
+Resize for onnxruntime (TensorRT keeps it) and still equals PyTorch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from lq.export._finish import value_shapes
+from lq.export._ir import Graph
+from lq.export._rules import ORT_NHWC_UPSAMPLE_MIN_CHANNELS
+from lq.export._upsample import nearest_upsamples_as_expand
+from lq.export._verify import make_session
+
+from _export_checks import assert_file_matches_pytorch, quantize_calibrate_export
+
+ort = pytest.importorskip("onnxruntime")
+torch.set_flush_denormal(True)
+
+LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_ALL")
+C = 16
+
+
+def _graph(factors=(2, 2), channels: int = C, rank: int = 4, conv: bool = True, q_scale: float = 0.1,
+           **resize_attrs) -> onnx.ModelProto:
+    """x -> Q -> DQ -> [Conv -> Q -> DQ] -> Resize -> Q -> DQ -> Conv -> y: the decoder step of a U-Net in QDQ
+    form, uint8 activations, int8 weights; batch and spatial sizes dynamic."""
+    rng = np.random.default_rng(0)
+    k = [3] * (rank - 2)
+
+    def weight(name):
+        return numpy_helper.from_array(rng.integers(-60, 60, [channels, channels] + k).astype(np.int8), name)
+
+    def scalar(v, name, dtype):
+        return numpy_helper.from_array(np.array(v, dtype), name)
+
+    attrs = {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}
+    attrs.update(resize_attrs)
+    inits = [scalar(0.1, "s", np.float32), scalar(128, "z", np.uint8), scalar(q_scale, "s2", np.float32),
+             scalar(0.01, "ws", np.float32), scalar(0, "wz", np.int8), weight("w1"), weight("w2"),
+             numpy_helper.from_array(np.array([1, 1] + list(factors), np.float32), "scales")]
+    pads = [1] * (2 * (rank - 2))
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q0"]),
+             helper.make_node("DequantizeLinear", ["q0", "s", "z"], ["d0"])]
+    if conv:
+        nodes += [helper.make_node("DequantizeLinear", ["w1", "ws", "wz"], ["dw1"]),
+                  helper.make_node("Conv", ["d0", "dw1"], ["c1"], pads=pads),
+                  helper.make_node("QuantizeLinear", ["c1", "s", "z"], ["q1"]),
+                  helper.make_node("DequantizeLinear", ["q1", "s", "z"], ["d1"])]
+    nodes += [helper.make_node("Resize", ["d1" if conv else "d0", "", "scales"], ["r"], **attrs),
+              helper.make_node("QuantizeLinear", ["r", "s2", "z"], ["q2"]),
+              helper.make_node("DequantizeLinear", ["q2", "s2", "z"], ["d2"]),
+              helper.make_node("DequantizeLinear", ["w2", "ws", "wz"], ["dw2"]),
+              helper.make_node("Conv", ["d2", "dw2"], ["y"], pads=pads)]
+    dims = ["n", channels] + [f"s{i}" for i in range(rank - 2)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _rewrite(model: onnx.ModelProto) -> tuple[int, onnx.ModelProto]:
+    g = Graph(onnx.ModelProto.FromString(model.SerializeToString()))
+    done = nearest_upsamples_as_expand(g, value_shapes(model))
+    return done, g.finalize()
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray, level: str) -> np.ndarray:
+    sess = make_session(model.SerializeToString(), ["CPUExecutionProvider"],
+                        graph_optimization_level=getattr(ort.GraphOptimizationLevel, level))
+    return sess.run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("factors,rank,spatial", [((2, 2), 4, (7, 9)), ((3, 1), 4, (5, 6)), ((1, 4), 4, (4, 4)),
+                                                  ((2,), 3, (11,))])
+def test_upsample_becomes_expand_with_the_same_numbers(factors, rank, spatial):
+    model = _graph(factors, rank=rank)
+    done, new = _rewrite(model)
+    assert done == 1
+    ops = [n.op_type for n in new.graph.node]
+    assert "Resize" not in ops and "Expand" in ops, ops
+    for batch in (1, 3):  # the reshape target follows the input's size
+        x = (3 * np.random.default_rng(batch).standard_normal((batch, C) + spatial)).astype(np.float32)
+        for level in LEVELS:
+            got, want = _run(new, x, level), _run(model, x, level)
+            assert got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kw", [
+    {"channels": ORT_NHWC_UPSAMPLE_MIN_CHANNELS // 2},  # onnxruntime's resize is as fast there
+    {"conv": False},  # no conv writes it: onnxruntime keeps the tensor (and its resize) in NCHW
+    {"q_scale": 0.2},  # the Q after the resize has another scale: Q(DQ(v)) != v
+    {"factors": (1.5, 1.5)},
+    {"factors": (1, 1)},
+    {"coordinate_transformation_mode": "half_pixel", "nearest_mode": "round_prefer_floor"},
+    {"mode": "linear"},
+])
+def test_other_resizes_stay(kw):
+    done, new = _rewrite(_graph(**kw))
+    assert done == 0
+    assert "Resize" in [n.op_type for n in new.graph.node]
+
+
+class UNetStep(nn.Module):
+    """conv-BN-ReLU, max pool, conv-BN-ReLU, nearest 2x upsample, cat with the skip tensor, conv, mean."""
+
+    def __init__(self, c: int = 16):
+        super().__init__()
+        self.enc1 = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU())
+        self.enc2 = nn.Sequential(nn.Conv2d(c, 2 * c, 3, padding=1), nn.BatchNorm2d(2 * c), nn.ReLU())
+        self.dec = nn.Sequential(nn.Conv2d(3 * c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU())
+        self.head = nn.Conv2d(c, 4, 1)
+
+    def forward(self, x):
+        e1 = self.enc1(x)
+        e2 = self.enc2(F.max_pool2d(e1, 2))
+        d = self.dec(torch.cat([F.interpolate(e2, scale_factor=2, mode="nearest"), e1], 1))
+        return self.head(d).mean((2, 3))
+
+
+@pytest.mark.parametrize("target", ["onnxruntime", "tensorrt"])
+def test_exported_unet_upsamples_by_expand_for_onnxruntime(tmp_path, target):
+    torch.manual_seed(0)
+    model = UNetStep()
+    with torch.no_grad():  # BatchNorm statistics that are not the identity
+        model.train()(torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(2)))
+    calib = [torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(s)) for s in (3, 4)]
+    res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "u.onnx"), target=target)
+    if target == "onnxruntime":
+        assert "Resize" not in ops and ops.count("Expand") == 1, ops
+    else:
+        assert "Resize" in ops and "Expand" not in ops, ops
+    assert_file_matches_pytorch(model, res, torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(5)))
