@@ -142,3 +142,27 @@ def test_exported_unet_upsamples_by_expand_for_onnxruntime(tmp_path, target):
     else:
         assert "Resize" in ops and "Expand" not in ops, ops
     assert_file_matches_pytorch(model, res, torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(5)))
+
+
+class UpsampleToSize(nn.Module):
+    """``F.interpolate(x, size=...)``: the exporters compute the sizes from x's own shape (Shape -> Concat)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.d = nn.Conv2d(8, 16, 3, padding=1), nn.Conv2d(16, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.d(F.interpolate(F.relu(self.c(x)), size=(32, 48), mode="nearest"))
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_upsample_to_a_size_keeps_the_conv_integer_and_becomes_expand(tmp_path, dynamo):
+    """The Shape that reads the conv's output for the sizes no longer keeps the quantizer off the conv (it
+    reads the quantized tensor: same shape), and whole-factor sizes are rewritten like scales."""
+    torch.manual_seed(0)
+    model = UpsampleToSize()
+    calib = [torch.randn(4, 8, 16, 24, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "s.onnx"), dynamo=dynamo)
+    assert res.kernel_of("c") == "QLinearConv", [k.text() for k in res.layer_kernels]
+    assert "Resize" not in ops and ops.count("Expand") == 1 and "Concat" not in ops, ops
+    assert_file_matches_pytorch(model, res, torch.randn(2, 8, 16, 24, generator=torch.Generator().manual_seed(3)))

@@ -158,6 +158,17 @@ class Graph:
         return self.model
 
 
+def drop_unread(g: Graph, candidate) -> None:
+    """Remove the nodes that ``candidate(node)`` accepts and nothing reads any more (repeatedly: a chain that
+    only fed a removed node goes as a whole). Graph outputs count as read."""
+    while True:
+        read = {i for m in g.nodes for i in m.input} | g.graph_outputs | _names_inside(g.nodes)
+        dead = {id(m) for m in g.nodes if candidate(m) and not any(o in read for o in m.output if o)}
+        if not dead:
+            return
+        g.nodes = [m for m in g.nodes if id(m) not in dead]
+
+
 def subgraphs(node: onnx.NodeProto):
     """The graphs held by ``node``'s attributes (a Scan/Loop body, If branches)."""
     for a in node.attribute:

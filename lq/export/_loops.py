@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
-from lq.export._ir import ExportError, Graph, as_model, attr, layer_name
+from lq.export._ir import ExportError, Graph, as_model, attr, drop_unread, layer_name
 from lq.export._loop_ops import LOOP_STATE, LSTM_SCAN
 from lq.export._symbolic import DOMAIN
 
@@ -61,7 +61,7 @@ def lower_recurrent(model: onnx.ModelProto) -> onnx.ModelProto:
     for n in list(g.nodes):
         if n.domain == DOMAIN and n.op_type == LSTM_SCAN:
             g.nodes[g.nodes.index(n)] = _lstm_scan(g, n, copied)
-    _drop_unread(g, copied)
+    drop_unread(g, lambda m: id(m) in copied or (m.domain == DOMAIN and m.op_type == LOOP_STATE))
     left = [n.op_type for n in g.nodes if n.domain == DOMAIN and n.op_type in (LOOP_STATE, LSTM_SCAN)]
     if left:  # pragma: no cover - defensive
         raise ExportError(f"internal error: recurrent placeholders left after lowering: {left}")
@@ -164,14 +164,3 @@ def _lstm_scan(g: Graph, n: onnx.NodeProto, copied: set[int]) -> onnx.NodeProto:
                        like=n, body=graph, num_scan_inputs=1, scan_input_directions=[reverse],
                        scan_output_directions=[reverse])
     return scan
-
-
-def _drop_unread(g: Graph, candidates: set[int]) -> None:
-    """Remove the markers and the copied nodes nothing reads any more (repeatedly: chains go as a whole)."""
-    while True:
-        read = {i for m in g.nodes for i in m.input} | g.graph_outputs
-        dead = {id(m) for m in g.nodes if (id(m) in candidates or (m.domain == DOMAIN and m.op_type == LOOP_STATE))
-                and not any(o in read for o in m.output if o)}
-        if not dead:
-            return
-        g.nodes = [m for m in g.nodes if id(m) not in dead]

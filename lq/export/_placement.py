@@ -79,7 +79,10 @@ def hoist_quantizers(g: Graph, relu_to_unsigned: bool) -> int:
                 continue
             u_in = f.input[0]
             p = prod.get(u_in)
-            others = [c for c in cons.get(u_in, []) if c is not f]
+            # a Shape reads only the shape, which the quantizer keeps: it may read the quantized tensor instead
+            # (F.interpolate(x, size=...) reads x's shape for the batch and channel sizes)
+            shapes = [c for c in cons.get(u_in, []) if c is not f and c.op_type == "Shape"]
+            others = [c for c in cons.get(u_in, []) if c is not f and c.op_type != "Shape"]
             if others and p is not None and all(c.op_type == "QuantizeLinear" and _same_q(g, q, c) for c in others):
                 # the input is quantized on the same grid already (a U-Net skip tensor: max-pooled into the next
                 # conv and quantized for the concat): f reads that quantized value, the input keeps one reader
@@ -105,6 +108,8 @@ def hoist_quantizers(g: Graph, relu_to_unsigned: bool) -> int:
             new_dq = g.make_node("DequantizeLinear", [q_out, q.input[1], q.input[2]], [dq_out],
                                  hint=f"{q.name}_hoisted_dq", like=q)
             f.input[0] = dq_out
+            for c in shapes:
+                c.input[0] = q_out
             idx = g.nodes.index(f)
             g.nodes[idx:idx] = [new_q, new_dq]
             moved += 1

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lq.export._ir import Graph, attr
+from lq.export._ir import Graph, attr, drop_unread
 from lq.export._rules import ORT_NHWC_UPSAMPLE_MIN_CHANNELS
 
 #: ops between a conv and the quantizer of its output that leave the tensor in onnxruntime's NHWC layout
@@ -53,10 +53,24 @@ def nearest_upsamples_as_expand(g: Graph, shapes: dict[str, tuple]) -> int:
         g.replace_uses(q.output[0], out)
         g.nodes.remove(q)
         g.nodes.remove(resize)
-        if not g.consumers().get(dq.output[0]) and dq.output[0] not in g.graph_outputs:
-            g.nodes.remove(dq)
+        # the DQ if nothing else reads it, and the Shape -> Concat that computed the resize's sizes
+        upstream = {id(p) for p in _upstream(g, [dq.output[0]] + list(resize.input[1:]))}
+        drop_unread(g, lambda m: id(m) in upstream)
         done += 1
     return done
+
+
+def _upstream(g: Graph, values: list[str]) -> list:
+    """The nodes that compute ``values``, directly or indirectly."""
+    prod, seen, out = g.producers(), set(), []
+    todo = [v for v in values if v]
+    while todo:
+        n = prod.get(todo.pop())
+        if n is not None and id(n) not in seen:
+            seen.add(id(n))
+            out.append(n)
+            todo.extend(i for i in n.input if i)
+    return out
 
 
 def _same_quantizer(g: Graph, dq, q) -> bool:
@@ -78,16 +92,48 @@ def _whole_factors(g: Graph, resize, shape) -> list[int] | None:
             or g.opset < 11):  # before 11: no coordinate modes, scales as the second input
         return None
     ins = list(resize.input) + [""] * (4 - len(resize.input))
-    scales, sizes = g.const(ins[2]), g.const(ins[3])
+    scales, sizes = g.const(ins[2]), _spatial_sizes(g, ins[3], resize, len(shape))
     if scales is not None and scales.size == len(shape):
         f = scales.astype(np.float64)
-    elif sizes is not None and sizes.size == len(shape) and all(shape[2:]):
-        f = sizes.astype(np.float64) / np.array([1, 1] + list(shape[2:]), np.float64)
+    elif sizes is not None and all(shape[2:]):
+        f = np.array([1, 1] + list(sizes), np.float64) / np.array([1, 1] + list(shape[2:]), np.float64)
     else:
         return None
     if f[0] != 1 or f[1] != 1 or np.any(f[2:] < 1) or np.any(f[2:] != np.round(f[2:])) or np.all(f[2:] == 1):
         return None
     return [int(v) for v in f[2:]]
+
+
+def _spatial_sizes(g: Graph, sizes: str, resize, rank: int):
+    """The output's spatial sizes from ``Resize``'s ``sizes`` input: a constant, or (``F.interpolate(x,
+    size=...)``) ``Concat(<batch and channels of the resized tensor's own shape>, constant)``; else None."""
+    c = g.const(sizes) if sizes else None
+    if c is not None:
+        return c[2:] if c.size == rank else None
+    prod = g.producers()
+    cat = prod.get(sizes) if sizes else None
+    if cat is None or cat.op_type != "Concat" or len(cat.input) != 2:
+        return None
+    tail = g.const(cat.input[1])
+    if tail is None or tail.size != rank - 2:
+        return None
+    head = prod.get(cat.input[0])
+    if head is not None and head.op_type == "Slice" and _is_ints(g, head.input[1:3], [[0], [2]]) and (
+            len(head.input) < 4 or _is_ints(g, head.input[3:], [[0], [1]][:len(head.input) - 3])):
+        head = prod.get(head.input[0])  # Slice(Shape(x), [0], [2]) (the legacy exporter)
+        if head is None or head.op_type != "Shape" or head.attribute:
+            return None
+    elif head is None or head.op_type != "Shape" or attr(head, "start", 0) != 0 or attr(head, "end") != 2:
+        return None
+    dq = prod.get(resize.input[0])
+    own = {resize.input[0]} | ({dq.input[0]} if dq is not None else set())
+    return tail if head.input[0] in own else None
+
+
+def _is_ints(g: Graph, names, values) -> bool:
+    """Whether the constants ``names`` hold the integer lists ``values``."""
+    arrays = [g.const(n) for n in names]
+    return all(a is not None and a.tolist() == v for a, v in zip(arrays, values, strict=True))
 
 
 def _text(v, default: str) -> str:
