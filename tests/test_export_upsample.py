@@ -166,3 +166,32 @@ def test_upsample_to_a_size_keeps_the_conv_integer_and_becomes_expand(tmp_path, 
     assert res.kernel_of("c") == "QLinearConv", [k.text() for k in res.layer_kernels]
     assert "Resize" not in ops and ops.count("Expand") == 1 and "Concat" not in ops, ops
     assert_file_matches_pytorch(model, res, torch.randn(2, 8, 16, 24, generator=torch.Generator().manual_seed(3)))
+
+
+class SkipSizedDecoder(nn.Module):
+    """The usual U-Net decoder step: upsample to the skip tensor's size (``size=e.shape[2:]``), then cat."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(8, 16, 3, padding=1), nn.Conv2d(16, 32, 3, padding=1)
+        self.d = nn.Conv2d(48, 4, 3, padding=1)
+
+    def forward(self, x):
+        e = F.relu(self.a(x))
+        f = F.relu(self.b(F.max_pool2d(e, 2)))
+        return self.d(torch.cat([F.interpolate(f, size=e.shape[2:], mode="nearest"), e], 1))
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_skip_sized_upsample_keeps_every_conv_integer(tmp_path, dynamo):
+    """``e`` is read by a max pool, the cat and a Shape (for the size): the Shape must not keep ``e``'s
+    conv in float (the legacy exporter's size arithmetic is Gather/Unsqueeze/Cast, which keeps its Resize)."""
+    torch.manual_seed(0)
+    model = SkipSizedDecoder()
+    calib = [torch.randn(4, 8, 16, 24, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "k.onnx"), dynamo=dynamo)
+    assert [res.kernel_of(n) for n in ("a", "b")] == ["QLinearConv", "QLinearConv"], [
+        k.text() for k in res.layer_kernels]
+    if dynamo:
+        assert "Resize" not in ops and ops.count("Expand") == 1, ops
+    assert_file_matches_pytorch(model, res, torch.randn(3, 8, 16, 24, generator=torch.Generator().manual_seed(3)))

@@ -68,7 +68,10 @@ def hoist_quantizers(g: Graph, relu_to_unsigned: bool) -> int:
             if not commutes(f.op_type, f) or f.domain not in ("", "ai.onnx"):
                 continue
             t = f.output[0]
-            users = cons.get(t, [])
+            # a Shape reads only the shape, which a quantizer keeps: it may read a quantized copy instead
+            # (F.interpolate(x, size=...) and x.view(x.size(0), -1) read x's shape)
+            shape_of_t = [u for u in cons.get(t, []) if u.op_type == "Shape"]
+            users = [u for u in cons.get(t, []) if u.op_type != "Shape"]
             if not users or t in g.graph_outputs or any(u.op_type != "QuantizeLinear" for u in users):
                 continue
             q = users[0]
@@ -79,9 +82,7 @@ def hoist_quantizers(g: Graph, relu_to_unsigned: bool) -> int:
                 continue
             u_in = f.input[0]
             p = prod.get(u_in)
-            # a Shape reads only the shape, which the quantizer keeps: it may read the quantized tensor instead
-            # (F.interpolate(x, size=...) reads x's shape for the batch and channel sizes)
-            shapes = [c for c in cons.get(u_in, []) if c is not f and c.op_type == "Shape"]
+            shape_of_in = [c for c in cons.get(u_in, []) if c is not f and c.op_type == "Shape"]
             others = [c for c in cons.get(u_in, []) if c is not f and c.op_type != "Shape"]
             if others and p is not None and all(c.op_type == "QuantizeLinear" and _same_q(g, q, c) for c in others):
                 # the input is quantized on the same grid already (a U-Net skip tensor: max-pooled into the next
@@ -91,6 +92,8 @@ def hoist_quantizers(g: Graph, relu_to_unsigned: bool) -> int:
                                  hint=f"{others[0].name}_shared_dq", like=q)
                 f.input[0] = dq_out
                 g.nodes.insert(g.nodes.index(f), dq)
+                for c in shape_of_t:
+                    c.input[0] = q.output[0]
                 moved += 1
                 did = True
                 break
@@ -108,8 +111,10 @@ def hoist_quantizers(g: Graph, relu_to_unsigned: bool) -> int:
             new_dq = g.make_node("DequantizeLinear", [q_out, q.input[1], q.input[2]], [dq_out],
                                  hint=f"{q.name}_hoisted_dq", like=q)
             f.input[0] = dq_out
-            for c in shapes:
+            for c in shape_of_in:
                 c.input[0] = q_out
+            for c in shape_of_t:
+                c.input[0] = q.output[0]
             idx = g.nodes.index(f)
             g.nodes[idx:idx] = [new_q, new_dq]
             moved += 1

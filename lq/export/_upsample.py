@@ -46,7 +46,7 @@ def nearest_upsamples_as_expand(g: Graph, shapes: dict[str, tuple]) -> int:
             continue
         src = dq.input[0]
         shape = shapes.get(src)
-        factors = _whole_factors(g, resize, shape)
+        factors = _whole_factors(g, resize, shape, shapes)
         if factors is None or not shape[1] or shape[1] < ORT_NHWC_UPSAMPLE_MIN_CHANNELS or not _conv_written(g, src):
             continue
         out = _expand(g, src, factors, resize)
@@ -82,7 +82,7 @@ def _same_quantizer(g: Graph, dq, q) -> bool:
                for a, b in pairs)
 
 
-def _whole_factors(g: Graph, resize, shape) -> list[int] | None:
+def _whole_factors(g: Graph, resize, shape, shapes: dict) -> list[int] | None:
     """The spatial upsampling factors of a nearest ``Resize`` with PyTorch's coordinates, when every factor
     is a whole number >= 1 (and 1 on batch and channels); else None."""
     if (_text(attr(resize, "mode"), "nearest") != "nearest"
@@ -92,7 +92,7 @@ def _whole_factors(g: Graph, resize, shape) -> list[int] | None:
             or g.opset < 11):  # before 11: no coordinate modes, scales as the second input
         return None
     ins = list(resize.input) + [""] * (4 - len(resize.input))
-    scales, sizes = g.const(ins[2]), _spatial_sizes(g, ins[3], resize, len(shape))
+    scales, sizes = g.const(ins[2]), _spatial_sizes(g, ins[3], resize, len(shape), shapes)
     if scales is not None and scales.size == len(shape):
         f = scales.astype(np.float64)
     elif sizes is not None and all(shape[2:]):
@@ -104,9 +104,10 @@ def _whole_factors(g: Graph, resize, shape) -> list[int] | None:
     return [int(v) for v in f[2:]]
 
 
-def _spatial_sizes(g: Graph, sizes: str, resize, rank: int):
+def _spatial_sizes(g: Graph, sizes: str, resize, rank: int, shapes: dict):
     """The output's spatial sizes from ``Resize``'s ``sizes`` input: a constant, or (``F.interpolate(x,
-    size=...)``) ``Concat(<batch and channels of the resized tensor's own shape>, constant)``; else None."""
+    size=...)``) ``Concat(<batch and channels of x's own shape>, <constant, or the static spatial part of
+    another tensor's shape (size=skip.shape[2:])>)``; else None."""
     c = g.const(sizes) if sizes else None
     if c is not None:
         return c[2:] if c.size == rank else None
@@ -115,25 +116,36 @@ def _spatial_sizes(g: Graph, sizes: str, resize, rank: int):
     if cat is None or cat.op_type != "Concat" or len(cat.input) != 2:
         return None
     tail = g.const(cat.input[1])
-    if tail is None or tail.size != rank - 2:
-        return None
-    head = prod.get(cat.input[0])
-    if head is not None and head.op_type == "Slice" and _is_ints(g, head.input[1:3], [[0], [2]]) and (
-            len(head.input) < 4 or _is_ints(g, head.input[3:], [[0], [1]][:len(head.input) - 3])):
-        head = prod.get(head.input[0])  # Slice(Shape(x), [0], [2]) (the legacy exporter)
-        if head is None or head.op_type != "Shape" or head.attribute:
-            return None
-    elif head is None or head.op_type != "Shape" or attr(head, "start", 0) != 0 or attr(head, "end") != 2:
+    if tail is None:
+        y = _shape_part(g, cat.input[1], 2, rank)
+        static = shapes.get(y) if y else None
+        tail = np.array(static[2:], np.int64) if static and len(static) == rank and all(static[2:]) else None
+    head = _shape_part(g, cat.input[0], 0, 2)
+    if tail is None or tail.size != rank - 2 or head is None:
         return None
     dq = prod.get(resize.input[0])
     own = {resize.input[0]} | ({dq.input[0]} if dq is not None else set())
-    return tail if head.input[0] in own else None
+    return tail if head in own else None
 
 
-def _is_ints(g: Graph, names, values) -> bool:
-    """Whether the constants ``names`` hold the integer lists ``values``."""
-    arrays = [g.const(n) for n in names]
-    return all(a is not None and a.tolist() == v for a, v in zip(arrays, values, strict=True))
+def _shape_part(g: Graph, v: str, start: int, end: int) -> str | None:
+    """``x`` when ``v`` is ``x``'s shape from ``start`` to ``end``: ``Shape(x, start, end)`` (the current
+    exporter) or ``Slice(Shape(x), [start], [end])`` (the legacy one; an ``end`` past the rank counts)."""
+    prod = g.producers()
+    n = prod.get(v)
+    if n is not None and n.op_type == "Shape":
+        stop = attr(n, "end")
+        return n.input[0] if attr(n, "start", 0) == start and (stop == end or stop is None and start) else None
+    if n is None or n.op_type != "Slice" or len(n.input) < 3:
+        return None
+    lo, hi = g.const(n.input[1]), g.const(n.input[2])
+    axes_steps = [g.const(i) for i in n.input[3:5] if i]
+    to_end = hi is not None and hi.size == 1 and (hi[0] == end or (start and hi[0] >= 2 ** 31 - 1))
+    if lo is None or lo.tolist() != [start] or not to_end or any(a is None or a.tolist() not in ([0], [1])
+                                                               for a in axes_steps):
+        return None
+    s = prod.get(n.input[0])
+    return s.input[0] if s is not None and s.op_type == "Shape" and not s.attribute else None
 
 
 def _text(v, default: str) -> str:
