@@ -13,10 +13,11 @@ coordinates (``asymmetric``, ``floor``) repeats every pixel ``f`` times per axis
 gives the same bytes: pure data movement, each step copies whole pixels of ``C`` bytes, and onnxruntime's
 layout pass cancels the two transposes against the ones around its NHWC kernels. Same U-Net: 6.0 -> 4.6 ms.
 
-Only where that holds (:data:`lq.export._rules.ORT_NHWC_UPSAMPLE_MIN_CHANNELS`, measured in
-``tests/test_export_upsample.py``'s docstring): the resize reads a per-tensor DequantizeLinear of a tensor a
-conv writes (so it is in NHWC in onnxruntime), its QuantizeLinear has the same scale and zero point, the
-factors are whole numbers (1 on batch and channels), and the tensor has at least that many channels. Anything
+Only where that holds: the resize reads a per-tensor DequantizeLinear of a tensor a conv writes (so it is in
+NHWC in onnxruntime; in NCHW its uint8 Resize is the faster one), its QuantizeLinear has the same scale and
+zero point, the factors are whole numbers (1 on batch and channels; from constant scales, or from sizes that
+are constants or static shapes), and the tensor has at least
+:data:`lq.export._rules.ORT_NHWC_UPSAMPLE_MIN_CHANNELS` channels (the measurement is next to it). Anything
 else keeps its Resize.
 """
 
@@ -88,8 +89,7 @@ def _whole_factors(g: Graph, resize, shape, shapes: dict) -> list[int] | None:
     if (_text(attr(resize, "mode"), "nearest") != "nearest"
             or _text(attr(resize, "coordinate_transformation_mode"), "half_pixel") != "asymmetric"
             or _text(attr(resize, "nearest_mode"), "round_prefer_floor") != "floor"
-            or attr(resize, "antialias", 0) or attr(resize, "axes") is not None or shape is None or len(shape) < 3
-            or g.opset < 11):  # before 11: no coordinate modes, scales as the second input
+            or attr(resize, "antialias", 0) or attr(resize, "axes") is not None or shape is None or len(shape) < 3):
         return None
     ins = list(resize.input) + [""] * (4 - len(resize.input))
     scales, sizes = g.const(ins[2]), _spatial_sizes(g, ins[3], resize, len(shape), shapes)
@@ -178,10 +178,7 @@ def _expand(g: Graph, src: str, factors: list[int], like) -> str:
 
     last = node("Transpose", [src], perm=[0] + list(range(2, r)) + [1])  # (N, *spatial, C)
     axes = [2 * (j + 1) for j in range(k)]  # a 1 after every spatial axis
-    if g.opset >= 13:
-        unsq = node("Unsqueeze", [last, g.add_const(f"{stem}/axes", np.array(axes, np.int64))])
-    else:
-        unsq = node("Unsqueeze", [last], axes=axes)
+    unsq = node("Unsqueeze", [last, g.add_const(f"{stem}/axes", np.array(axes, np.int64))])  # opset >= 13
     reps = [1] + [v for f in factors for v in (1, f)] + [1]
     big = node("Expand", [unsq, g.add_const(f"{stem}/repeats", np.array(reps, np.int64))])
     per_axis = g.add_const(f"{stem}/factors", np.array([1] + factors + [1], np.int64))
