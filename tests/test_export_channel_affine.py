@@ -92,6 +92,18 @@ def test_other_affines_stay(x_shape, const_shape, twice):
     assert [n.op_type for n in new.graph.node][:2] == ["Mul", "Add"]
 
 
+def test_affine_right_after_a_conv_stays():
+    """onnxruntime folds Mul/Add, and a BatchNormalization, after a conv into its weights by itself; a
+    BatchNormalization there would let it fold a scalar gamma too and round the weights it then quantizes."""
+    model = _affine([2, 8, 5, 5], RNG.standard_normal((1, 1, 1)), RNG.standard_normal((8, 1, 1)))
+    g = model.graph
+    g.initializer.append(numpy_helper.from_array(RNG.standard_normal((8, 8, 1, 1)).astype(np.float32), "w"))
+    g.node.insert(0, helper.make_node("Conv", ["x", "w"], ["cx"]))
+    g.node[1].input[0] = "cx"
+    done, new = _rewrite(model)
+    assert done == 0 and [n.op_type for n in new.graph.node] == ["Conv", "Mul", "Add"]
+
+
 class GNBlock(nn.Module):
     """conv -> GroupNorm -> SiLU -> conv, a plain + residual: the block of bench.ordinary's depthwise ResNet."""
 

@@ -33,9 +33,10 @@ C = 16
 
 
 def _graph(factors=(2, 2), channels: int = C, rank: int = 4, conv: bool = True, q_scale: float = 0.1,
-           **resize_attrs) -> onnx.ModelProto:
-    """x -> Q -> DQ -> [Conv -> Q -> DQ] -> Resize -> Q -> DQ -> Conv -> y: the decoder step of a U-Net in QDQ
-    form, uint8 activations, int8 weights; batch and spatial sizes dynamic."""
+           pool: bool = False, static: tuple | None = None, **resize_attrs) -> onnx.ModelProto:
+    """x -> Q -> DQ -> [Conv -> Q -> DQ [-> MaxPool 2x2 -> Q -> DQ]] -> Resize -> Q -> DQ -> Conv -> y: the decoder
+    step of a U-Net in QDQ form, uint8 activations, int8 weights; batch and spatial sizes dynamic, or the
+    spatial sizes ``static``."""
     rng = np.random.default_rng(0)
     k = [3] * (rank - 2)
 
@@ -58,12 +59,17 @@ def _graph(factors=(2, 2), channels: int = C, rank: int = 4, conv: bool = True, 
                   helper.make_node("Conv", ["d0", "dw1"], ["c1"], pads=pads),
                   helper.make_node("QuantizeLinear", ["c1", "s", "z"], ["q1"]),
                   helper.make_node("DequantizeLinear", ["q1", "s", "z"], ["d1"])]
-    nodes += [helper.make_node("Resize", ["d1" if conv else "d0", "", "scales"], ["r"], **attrs),
+        if pool:
+            nodes += [helper.make_node("MaxPool", ["d1"], ["p1"], kernel_shape=[2] * (rank - 2),
+                                       strides=[2] * (rank - 2)),
+                      helper.make_node("QuantizeLinear", ["p1", "s", "z"], ["qp"]),
+                      helper.make_node("DequantizeLinear", ["qp", "s", "z"], ["d1p"])]
+    nodes += [helper.make_node("Resize", [("d1p" if pool else "d1") if conv else "d0", "", "scales"], ["r"], **attrs),
               helper.make_node("QuantizeLinear", ["r", "s2", "z"], ["q2"]),
               helper.make_node("DequantizeLinear", ["q2", "s2", "z"], ["d2"]),
               helper.make_node("DequantizeLinear", ["w2", "ws", "wz"], ["dw2"]),
               helper.make_node("Conv", ["d2", "dw2"], ["y"], pads=pads)]
-    dims = ["n", channels] + [f"s{i}" for i in range(rank - 2)]
+    dims = ["n", channels] + (list(static) if static else [f"s{i}" for i in range(rank - 2)])
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -95,6 +101,22 @@ def test_upsample_becomes_expand_with_the_same_numbers(factors, rank, spatial):
             got, want = _run(new, x, level), _run(model, x, level)
             assert got.shape == want.shape
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kw,spatial", [({"pool": True}, (8, 10)), ({"static": (7, 9)}, (7, 9)),
+                                        ({"pool": True, "static": (8, 10)}, (8, 10))])
+def test_upsample_after_a_pool_or_of_a_static_size_becomes_expand(kw, spatial):
+    """Through a max pool with its own quantizer (onnxruntime's NHWC uint8 pool); with static spatial sizes
+    the reshape target is a constant (0 keeps the batch)."""
+    model = _graph(**kw)
+    done, new = _rewrite(model)
+    assert done == 1
+    ops = [n.op_type for n in new.graph.node]
+    assert "Resize" not in ops and "Expand" in ops and ("Shape" in ops) != bool(kw.get("static")), ops
+    for batch in (1, 3):
+        x = (3 * np.random.default_rng(batch).standard_normal((batch, C) + spatial)).astype(np.float32)
+        for level in LEVELS:
+            np.testing.assert_array_equal(_run(new, x, level), _run(model, x, level))
 
 
 @pytest.mark.parametrize("kw", [

@@ -7,7 +7,8 @@ channel by channel; with ``var = 1``, ``eps = 0`` and ``mean = 0`` that is ``x *
 two roundings as the pair, in one pass. In the GroupNorm/SiLU ResNet of ``bench.ordinary`` the six affine pairs
 took 1.1 of 9.7 ms at batch 32 (INT8 file, AVX-512 VNNI); as BatchNormalization, 0.5 ms.
 
-Only where the pair is exactly a per-channel affine along axis 1: ``gamma`` and ``beta`` constants of shape
+Only where the pair is exactly a per-channel affine along axis 1 and not right after a conv (see
+:data:`_FOLDED_INTO`): ``gamma`` and ``beta`` constants of shape
 ``(C, 1, ..., 1)`` (or with a leading 1) that line up with axis 1 of an input of rank >= 3 whose channel
 size is ``C``, the Mul read by the Add alone. Anything else (a LayerNorm affine along the last axis, a
 broadcast that grows the tensor) is left as it is.
@@ -18,6 +19,12 @@ from __future__ import annotations
 import numpy as np
 
 from lq.export._ir import Graph, attr
+
+
+#: ops onnxruntime folds a following BatchNormalization into (changing the weights it then quantizes: a float
+#: conv before a quantizer becomes a QLinearConv with weights onnxruntime rounds itself), so the pair is left
+#: as the exporter wrote it there
+_FOLDED_INTO = ("Conv", "ConvTranspose")
 
 
 def affines_as_batchnorm(g: Graph, shapes: dict[str, tuple]) -> int:
@@ -34,6 +41,9 @@ def affines_as_batchnorm(g: Graph, shapes: dict[str, tuple]) -> int:
         beta = _split_const(g, add, mul.output[0])[1]
         if x is None or gamma is None or beta is None:
             continue
+        writer = g.producers().get(x)
+        if writer is not None and writer.op_type in _FOLDED_INTO:
+            continue  # onnxruntime folds the affine into the conv's weights itself (a BatchNormalization too)
         shape = _shape(g, x, shapes)
         c = None if shape is None or len(shape) < 3 else shape[1]
         if not c or _per_channel(gamma, len(shape), c) is None or _per_channel(beta, len(shape), c) is None:

@@ -28,8 +28,9 @@ import numpy as np
 from lq.export._ir import Graph, attr, drop_unread
 from lq.export._rules import ORT_NHWC_UPSAMPLE_MIN_CHANNELS
 
-#: ops between a conv and the quantizer of its output that leave the tensor in onnxruntime's NHWC layout
-_NHWC_KEEPING = ("Relu", "Clip", "MaxPool", "Max")
+#: ops between a conv and the quantized tensor that leave it in onnxruntime's NHWC layout (a max pool with its
+#: own quantizer: Q -> DQ -> MaxPool -> Q, run by onnxruntime as an NHWC uint8 pool)
+_NHWC_KEEPING = ("Relu", "MaxPool", "Max", "QuantizeLinear", "DequantizeLinear")
 
 
 def nearest_upsamples_as_expand(g: Graph, shapes: dict[str, tuple]) -> int:
@@ -50,7 +51,7 @@ def nearest_upsamples_as_expand(g: Graph, shapes: dict[str, tuple]) -> int:
         factors = _whole_factors(g, resize, shape, shapes)
         if factors is None or not shape[1] or shape[1] < ORT_NHWC_UPSAMPLE_MIN_CHANNELS or not _conv_written(g, src):
             continue
-        out = _expand(g, src, factors, resize)
+        out = _expand(g, src, factors, resize, shape)
         g.replace_uses(q.output[0], out)
         g.nodes.remove(q)
         g.nodes.remove(resize)
@@ -155,18 +156,18 @@ def _text(v, default: str) -> str:
 
 
 def _conv_written(g: Graph, quantized: str) -> bool:
-    """Whether a Conv writes ``quantized``: its QuantizeLinear, through ReLU/Clip/MaxPool and the integer Max
-    of a ReLU or of a narrow-range quantizer."""
+    """Whether a Conv writes ``quantized``: its QuantizeLinear, through ReLU, max pools (quantized again or not)
+    and the integer Max of a ReLU or of a narrow-range quantizer."""
     prod = g.producers()
     n = prod.get(quantized)
-    while n is not None and (n.op_type in _NHWC_KEEPING or n.op_type == "QuantizeLinear"):
+    while n is not None and n.op_type in _NHWC_KEEPING:
         n = prod.get(n.input[0])
     return n is not None and n.op_type == "Conv"
 
 
-def _expand(g: Graph, src: str, factors: list[int], like) -> str:
+def _expand(g: Graph, src: str, factors: list[int], like, shape) -> str:
     """The channels-last Unsqueeze/Expand/Reshape of ``src`` (N, C, *spatial) by ``factors``; returns the
-    output name (N, C, *spatial * factors)."""
+    output name (N, C, *spatial * factors). ``shape``: ``src``'s shape (static sizes: a constant reshape target)."""
     k = len(factors)
     r = k + 2
     stem = like.name or "upsample"
@@ -181,7 +182,11 @@ def _expand(g: Graph, src: str, factors: list[int], like) -> str:
     unsq = node("Unsqueeze", [last, g.add_const(f"{stem}/axes", np.array(axes, np.int64))])  # opset >= 13
     reps = [1] + [v for f in factors for v in (1, f)] + [1]
     big = node("Expand", [unsq, g.add_const(f"{stem}/repeats", np.array(reps, np.int64))])
-    per_axis = g.add_const(f"{stem}/factors", np.array([1] + factors + [1], np.int64))
-    grown = node("Mul", [node("Shape", [last]), per_axis])  # (N, *spatial * factors, C), dynamic sizes too
+    if shape is not None and all(shape[1:]):  # (N, *spatial * factors, C); 0 keeps the (dynamic) batch
+        grown = g.add_const(f"{stem}/shape", np.array([0] + [d * f for d, f in zip(shape[2:], factors)] + [shape[1]],
+                                                      np.int64))
+    else:  # dynamic spatial sizes: from the tensor's own shape
+        per_axis = g.add_const(f"{stem}/factors", np.array([1] + factors + [1], np.int64))
+        grown = node("Mul", [node("Shape", [last]), per_axis])
     merged = node("Reshape", [big, grown])
     return node("Transpose", [merged], perm=[0, r - 1] + list(range(1, r - 1)))
