@@ -31,7 +31,7 @@ def affines_as_batchnorm(g: Graph, shapes: dict[str, tuple]) -> int:
     """Rewrite every eligible ``Mul(x, gamma) -> Add(., beta)`` pair; returns how many were rewritten.
     ``shapes``: value name -> shape (ints, or None where unknown), from shape inference."""
     done = 0
-    cons = g.consumers()
+    prod, cons = g.producers(), g.consumers()  # producers stay valid: a rewrite keeps the Add's output
     for mul in [n for n in g.nodes if n.op_type == "Mul"]:
         readers = cons.get(mul.output[0], [])
         if len(readers) != 1 or readers[0].op_type != "Add" or mul.output[0] in g.graph_outputs:
@@ -41,10 +41,10 @@ def affines_as_batchnorm(g: Graph, shapes: dict[str, tuple]) -> int:
         beta = _split_const(g, add, mul.output[0])[1]
         if x is None or gamma is None or beta is None:
             continue
-        writer = g.producers().get(x)
+        writer = prod.get(x)
         if writer is not None and writer.op_type in _FOLDED_INTO:
             continue  # onnxruntime folds the affine into the conv's weights itself (a BatchNormalization too)
-        shape = _shape(g, x, shapes)
+        shape = _shape(prod, x, shapes)
         c = None if shape is None or len(shape) < 3 else shape[1]
         if not c or _per_channel(gamma, len(shape), c) is None or _per_channel(beta, len(shape), c) is None:
             continue
@@ -58,13 +58,12 @@ def affines_as_batchnorm(g: Graph, shapes: dict[str, tuple]) -> int:
     return done
 
 
-def _shape(g: Graph, x: str, shapes: dict[str, tuple]) -> tuple | None:
+def _shape(prod: dict, x: str, shapes: dict[str, tuple]) -> tuple | None:
     """``x``'s shape; for ``Reshape(t, Shape(y))`` (how the exporters restore a GroupNorm's shape, which shape
     inference leaves unknown) the shape of ``y``."""
     shape = shapes.get(x)
     if shape is not None and len(shape) > 1 and shape[1]:
         return shape
-    prod = g.producers()
     p = prod.get(x)
     if p is not None and p.op_type == "Reshape":
         s = prod.get(p.input[1])

@@ -19,7 +19,7 @@ def _qparams(g: Graph, q):
     return s, z, dt
 
 
-def _same_q(g: Graph, a, b) -> bool:
+def same_q(g: Graph, a, b) -> bool:
     sa, za, ta = _qparams(g, a)
     sb, zb, tb = _qparams(g, b)
     if sa is None or sb is None or ta != tb:
@@ -42,7 +42,7 @@ def dedupe_quantizers(g: Graph) -> int:
             if id(a) in dropped:
                 continue
             for b in qs[i + 1:]:
-                if id(b) not in dropped and _same_q(g, a, b) and b.output[0] not in g.graph_outputs:
+                if id(b) not in dropped and same_q(g, a, b) and b.output[0] not in g.graph_outputs:
                     g.replace_uses(b.output[0], a.output[0])
                     dropped.add(id(b))
                     merged += 1
@@ -68,23 +68,19 @@ def hoist_quantizers(g: Graph, relu_to_unsigned: bool) -> int:
             if not commutes(f.op_type, f) or f.domain not in ("", "ai.onnx"):
                 continue
             t = f.output[0]
-            # a Shape reads only the shape, which a quantizer keeps: it may read a quantized copy instead
-            # (F.interpolate(x, size=...) and x.view(x.size(0), -1) read x's shape)
-            shape_of_t = [u for u in cons.get(t, []) if u.op_type == "Shape"]
-            users = [u for u in cons.get(t, []) if u.op_type != "Shape"]
+            shape_of_t, users = _shape_readers_apart(cons.get(t, []))
             if not users or t in g.graph_outputs or any(u.op_type != "QuantizeLinear" for u in users):
                 continue
             q = users[0]
-            if any(not _same_q(g, q, u) for u in users[1:]):
+            if any(not same_q(g, q, u) for u in users[1:]):
                 continue
             s, z, dt = _qparams(g, q)
             if s is None or s.ndim != 0:
                 continue
             u_in = f.input[0]
             p = prod.get(u_in)
-            shape_of_in = [c for c in cons.get(u_in, []) if c is not f and c.op_type == "Shape"]
-            others = [c for c in cons.get(u_in, []) if c is not f and c.op_type != "Shape"]
-            if others and p is not None and all(c.op_type == "QuantizeLinear" and _same_q(g, q, c) for c in others):
+            shape_of_in, others = _shape_readers_apart(c for c in cons.get(u_in, []) if c is not f)
+            if others and p is not None and all(c.op_type == "QuantizeLinear" and same_q(g, q, c) for c in others):
                 # the input is quantized on the same grid already (a U-Net skip tensor: max-pooled into the next
                 # conv and quantized for the concat): f reads that quantized value, the input keeps one reader
                 dq_out = g.fresh(f"{others[0].name}_shared_dq")
@@ -125,6 +121,14 @@ def hoist_quantizers(g: Graph, relu_to_unsigned: bool) -> int:
     if relu_to_unsigned:
         _relu_unsigned(g)
     return moved
+
+
+def _shape_readers_apart(readers) -> tuple[list, list]:
+    """(the Shape nodes among ``readers``, the others). A Shape reads only the shape, which a quantizer keeps,
+    so it may read the quantized copy instead (F.interpolate(x, size=...) and x.view(x.size(0), -1) read x's
+    shape) and does not stop a quantizer from moving up."""
+    readers = list(readers)
+    return [r for r in readers if r.op_type == "Shape"], [r for r in readers if r.op_type != "Shape"]
 
 
 def _relu_unsigned(g: Graph) -> None:
@@ -288,7 +292,7 @@ def split_shared_producers(g: Graph, max_copies: int = 4) -> int:
         groups: list[list] = []
         for u in users:
             for grp in groups:
-                if _same_q(g, grp[0], u):
+                if same_q(g, grp[0], u):
                     grp.append(u)
                     break
             else:

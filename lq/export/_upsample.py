@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from lq.export._ir import Graph, attr, drop_unread
+from lq.export._placement import same_q
 from lq.export._rules import ORT_NHWC_UPSAMPLE_MIN_CHANNELS
 
 #: ops between a conv and the quantized tensor that leave it in onnxruntime's NHWC layout (a max pool with its
@@ -44,27 +45,27 @@ def nearest_upsamples_as_expand(g: Graph, shapes: dict[str, tuple]) -> int:
         if dq is None or dq.op_type != "DequantizeLinear" or len(readers) != 1:
             continue
         q = readers[0]
-        if q.op_type != "QuantizeLinear" or not _same_quantizer(g, dq, q) or q.output[0] in g.graph_outputs:
+        if q.op_type != "QuantizeLinear" or not _per_tensor_same(g, dq, q) or q.output[0] in g.graph_outputs:
             continue
         src = dq.input[0]
         shape = shapes.get(src)
-        factors = _whole_factors(g, resize, shape, shapes)
-        if factors is None or not shape[1] or shape[1] < ORT_NHWC_UPSAMPLE_MIN_CHANNELS or not _conv_written(g, src):
+        factors = _whole_factors(g, prod, resize, src, shapes)
+        if factors is None or not shape[1] or shape[1] < ORT_NHWC_UPSAMPLE_MIN_CHANNELS or not _conv_written(prod, src):
             continue
         out = _expand(g, src, factors, resize, shape)
         g.replace_uses(q.output[0], out)
         g.nodes.remove(q)
         g.nodes.remove(resize)
         # the DQ if nothing else reads it, and the Shape -> Concat that computed the resize's sizes
-        upstream = {id(p) for p in _upstream(g, [dq.output[0]] + list(resize.input[1:]))}
+        upstream = {id(p) for p in _upstream(prod, [dq.output[0]] + list(resize.input[1:]))}
         drop_unread(g, lambda m: id(m) in upstream)
         done += 1
     return done
 
 
-def _upstream(g: Graph, values: list[str]) -> list:
+def _upstream(prod: dict, values: list[str]) -> list:
     """The nodes that compute ``values``, directly or indirectly."""
-    prod, seen, out = g.producers(), set(), []
+    seen, out = set(), []
     todo = [v for v in values if v]
     while todo:
         n = prod.get(todo.pop())
@@ -75,25 +76,23 @@ def _upstream(g: Graph, values: list[str]) -> list:
     return out
 
 
-def _same_quantizer(g: Graph, dq, q) -> bool:
+def _per_tensor_same(g: Graph, dq, q) -> bool:
     """Whether ``q`` quantizes with ``dq``'s per-tensor scale and zero point (so ``Q(DQ(v)) == v``)."""
-    if len(dq.input) < 3 or len(q.input) < 3 or attr(dq, "axis") is not None or attr(q, "axis") is not None:
-        return False
-    pairs = [(g.const(a), g.const(b)) for a, b in zip(dq.input[1:3], q.input[1:3], strict=True)]
-    return all(a is not None and b is not None and a.size == 1 and a.dtype == b.dtype and np.array_equal(a, b)
-               for a, b in pairs)
+    scale = g.const(dq.input[1])
+    return scale is not None and scale.size == 1 and same_q(g, dq, q)
 
 
-def _whole_factors(g: Graph, resize, shape, shapes: dict) -> list[int] | None:
+def _whole_factors(g: Graph, prod: dict, resize, src: str, shapes: dict) -> list[int] | None:
     """The spatial upsampling factors of a nearest ``Resize`` with PyTorch's coordinates, when every factor
-    is a whole number >= 1 (and 1 on batch and channels); else None."""
+    is a whole number >= 1 (and 1 on batch and channels); else None. ``src``: the quantized tensor resized."""
+    shape = shapes.get(src)
     if (_text(attr(resize, "mode"), "nearest") != "nearest"
             or _text(attr(resize, "coordinate_transformation_mode"), "half_pixel") != "asymmetric"
             or _text(attr(resize, "nearest_mode"), "round_prefer_floor") != "floor"
             or attr(resize, "antialias", 0) or attr(resize, "axes") is not None or shape is None or len(shape) < 3):
         return None
     ins = list(resize.input) + [""] * (4 - len(resize.input))
-    scales, sizes = g.const(ins[2]), _spatial_sizes(g, ins[3], resize, len(shape), shapes)
+    scales, sizes = g.const(ins[2]), _spatial_sizes(g, prod, ins[3], {resize.input[0], src}, len(shape), shapes)
     if scales is not None and scales.size == len(shape):
         f = scales.astype(np.float64)
     elif sizes is not None and all(shape[2:]):
@@ -105,34 +104,30 @@ def _whole_factors(g: Graph, resize, shape, shapes: dict) -> list[int] | None:
     return [int(v) for v in f[2:]]
 
 
-def _spatial_sizes(g: Graph, sizes: str, resize, rank: int, shapes: dict):
+def _spatial_sizes(g: Graph, prod: dict, sizes: str, own: set, rank: int, shapes: dict):
     """The output's spatial sizes from ``Resize``'s ``sizes`` input: a constant, or (``F.interpolate(x,
     size=...)``) ``Concat(<batch and channels of x's own shape>, <constant, or the static spatial part of
-    another tensor's shape (size=skip.shape[2:])>)``; else None."""
+    another tensor's shape (size=skip.shape[2:])>)``; else None. ``own``: the resized tensor's names."""
     c = g.const(sizes) if sizes else None
     if c is not None:
         return c[2:] if c.size == rank else None
-    prod = g.producers()
     cat = prod.get(sizes) if sizes else None
     if cat is None or cat.op_type != "Concat" or len(cat.input) != 2:
         return None
     tail = g.const(cat.input[1])
     if tail is None:
-        y = _shape_part(g, cat.input[1], 2, rank)
+        y = _shape_part(g, prod, cat.input[1], 2, rank)
         static = shapes.get(y) if y else None
         tail = np.array(static[2:], np.int64) if static and len(static) == rank and all(static[2:]) else None
-    head = _shape_part(g, cat.input[0], 0, 2)
+    head = _shape_part(g, prod, cat.input[0], 0, 2)
     if tail is None or tail.size != rank - 2 or head is None:
         return None
-    dq = prod.get(resize.input[0])
-    own = {resize.input[0]} | ({dq.input[0]} if dq is not None else set())
     return tail if head in own else None
 
 
-def _shape_part(g: Graph, v: str, start: int, end: int) -> str | None:
+def _shape_part(g: Graph, prod: dict, v: str, start: int, end: int) -> str | None:
     """``x`` when ``v`` is ``x``'s shape from ``start`` to ``end``: ``Shape(x, start, end)`` (the current
     exporter) or ``Slice(Shape(x), [start], [end])`` (the legacy one; an ``end`` past the rank counts)."""
-    prod = g.producers()
     n = prod.get(v)
     if n is not None and n.op_type == "Shape":
         stop = attr(n, "end")
@@ -155,10 +150,9 @@ def _text(v, default: str) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _conv_written(g: Graph, quantized: str) -> bool:
+def _conv_written(prod: dict, quantized: str) -> bool:
     """Whether a Conv writes ``quantized``: its QuantizeLinear, through ReLU, max pools (quantized again or not)
     and the integer Max of a ReLU or of a narrow-range quantizer."""
-    prod = g.producers()
     n = prod.get(quantized)
     while n is not None and n.op_type in _NHWC_KEEPING:
         n = prod.get(n.input[0])
