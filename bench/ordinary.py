@@ -4,8 +4,8 @@
 
 lq's own CNNs are written for it (BatchNorm after every conv, ``lq.nn.FloatAdd`` for residuals). Users'
 models are not: plain ``x + f(x)`` residuals, GroupNorm and SiLU, ``nn.MultiheadAttention``, ``nn.LSTM``,
-a U-Net's ``torch.cat`` of upsampled and skip tensors, PReLU.
-This bench trains six such models in FP32 on the digits data (8x8 images upsampled to 32x32 for the
+a U-Net's ``torch.cat`` of upsampled and skip tensors, PReLU, MobileNetV2's ReLU6.
+This bench trains seven such models in FP32 on the digits data (8x8 images upsampled to 32x32 for the
 CNNs; rows as 8 tokens / time steps for the transformer and the LSTM), and loads the pretrained
 all-MiniLM-L6-v2 from transformers (when its data wheels are installed), then for each:
 
@@ -107,6 +107,36 @@ class PlainResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block as torchvision writes it: 1x1 expansion, depthwise 3x3, ReLU6 after both, a linear
+    1x1 projection, a plain ``+`` when the shape allows."""
+
+    def __init__(self, i: int, o: int, stride: int = 1, expand: int = 4, act=nn.ReLU6):
+        super().__init__()
+        h = i * expand
+        self.use_res = stride == 1 and i == o
+        self.conv = nn.Sequential(nn.Conv2d(i, h, 1, bias=False), nn.BatchNorm2d(h), act(),
+                                  nn.Conv2d(h, h, 3, stride, 1, groups=h, bias=False), nn.BatchNorm2d(h), act(),
+                                  nn.Conv2d(h, o, 1, bias=False), nn.BatchNorm2d(o))
+
+    def forward(self, x):
+        return x + self.conv(x) if self.use_res else self.conv(x)
+
+
+class MobileNetV2(nn.Module):
+    def __init__(self, c: int = 16, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU6(inplace=True),
+            InvertedResidual(c, c), InvertedResidual(c, c), InvertedResidual(c, 2 * c, 2),
+            InvertedResidual(2 * c, 2 * c), InvertedResidual(2 * c, 2 * c),
+            nn.Conv2d(2 * c, 8 * c, 1, bias=False), nn.BatchNorm2d(8 * c), nn.ReLU6(inplace=True))
+        self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(8 * c, classes))
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(F.adaptive_avg_pool2d(self.features(x), 1), 1))
+
+
 class MHATransformer(nn.Module):
     """Rows of the 8x8 digit as 8 tokens: pre-norm blocks of nn.MultiheadAttention and a GELU MLP."""
 
@@ -186,6 +216,7 @@ MODELS = {  # label: (constructor, input shape per sample)
     "LSTM (2-layer nn.LSTM)": (LSTMClassifier, (1, 8, 8)),
     "U-Net (conv-BN-ReLU encoder, upsample + cat decoder)": (UNet, (1, 32, 32)),
     "P-Net (conv + PReLU face-detector shape)": (PNet, (1, 32, 32)),
+    "MobileNetV2 (inverted residuals, ReLU6, plain +)": (MobileNetV2, (1, 32, 32)),
 }
 
 

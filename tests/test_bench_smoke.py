@@ -192,8 +192,9 @@ def test_ordinary_fast(runs):
     out, logs, _ = runs
     res = _load(out / "ordinary" / "ordinary.json")
     from bench import minilm
+    from bench import ordinary as O
 
-    assert len(res["rows"]) == 6 + minilm.available()
+    assert len(res["rows"]) == len(O.MODELS) + minilm.available()
     for r in res["rows"]:
         name = r["model"]
         assert not [n for n in r["notes"] if "failed" in n], (name, r["notes"])

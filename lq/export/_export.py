@@ -237,7 +237,7 @@ def export_onnx(
             _pool_first.pool_before_activations(g)
             _placement.dedupe_quantizers(g)
             _placement.split_shared_producers(g)
-            _placement.hoist_quantizers(g, relu_to_unsigned=True)
+            _placement.hoist_quantizers(g, clips_on_integers=True)
             _float_convs.float_weights_for_float_convs(g)
             _placement.quantize_bias(g)
         _placement.dedupe_quantizers(g)

@@ -50,15 +50,14 @@ def dedupe_quantizers(g: Graph) -> int:
     return merged
 
 
-def hoist_quantizers(g: Graph, relu_to_unsigned: bool) -> int:
+def hoist_quantizers(g: Graph, clips_on_integers: bool) -> int:
     """Quantize the output of a Conv/Gemm/Add where its only reader is a chain of ops that commute with
-    fake quantization (ReLU, MaxPool, reshapes) ending in a QuantizeLinear.
+    fake quantization (ReLU, ReLU6/Clip, MaxPool, reshapes) ending in a QuantizeLinear.
 
     ``P -> f -> Q -> DQ`` becomes ``P -> Q -> DQ -> f -> Q -> DQ``: exact (``f`` of a value on the grid is
     on the grid), and it gives onnxruntime ``DQ -> P -> Q`` (QLinearConv, QLinearAdd ...) and
-    ``DQ -> f -> Q`` (f in int8). With ``relu_to_unsigned`` the Q after a ReLU that reads a signed,
-    zero-point-0 DQ becomes uint8 with the same scale (exact: the values are in [0, 127] steps), so
-    onnxruntime drops the ReLU.
+    ``DQ -> f -> Q`` (f in int8). With ``clips_on_integers`` a ReLU/Clip between two quantizers on one grid
+    becomes the same clip on the integers, or nothing (:func:`_clips_on_integers`).
     """
     moved = 0
     for _ in range(64):
@@ -118,8 +117,8 @@ def hoist_quantizers(g: Graph, relu_to_unsigned: bool) -> int:
             break
         if not did:
             break
-    if relu_to_unsigned:
-        _relu_unsigned(g)
+    if clips_on_integers:
+        _clips_on_integers(g)
     return moved
 
 
@@ -131,18 +130,23 @@ def _shape_readers_apart(readers) -> tuple[list, list]:
     return [r for r in readers if r.op_type == "Shape"], [r for r in readers if r.op_type != "Shape"]
 
 
-def _relu_unsigned(g: Graph) -> None:
-    """``DQ(q) -> ReLU -> Q`` with the same signed grid -> ``Max(q, zero_point)`` on the integers; with the same
-    unsigned grid (zero point 0) -> ``q`` itself.
+def _clips_on_integers(g: Graph) -> None:
+    """``DQ(q) -> ReLU/Clip -> Q`` on one grid -> the clip on the integers: ``Max(q, code(lo))``,
+    ``Min(q, code(hi))``, ``Clip(q, code(lo), code(hi))``, or ``q`` itself where a bound lies outside the grid.
 
-    ReLU of a value on a grid whose zero is the zero point is that grid's ``max(q, zp)``, so this is
-    exact; onnxruntime then runs one 1-byte elementwise op between two fused INT8 kernels instead of
-    dequantize, float ReLU and quantize.
+    ``code(b)`` is the quantizer's own rounding of the bound (``Q(b)``, saturated). A rounding that keeps
+    order distributes over min and max, so ``Q(clip(DQ(q), lo, hi)) == clamp(q, Q(lo), Q(hi))`` for any
+    constant bounds: a ReLU is ``Max(q, zero_point)``, a ReLU6 on a grid that ends below 6 only that, and a
+    ReLU on an unsigned grid (zero point 0) nothing. onnxruntime then runs one 1-byte elementwise op, or none,
+    between two fused INT8 kernels instead of dequantize, float clip and quantize. A bound that falls within
+    a thousandth of a step of a rounding tie is left alone (the float op stays), since the runtime's own
+    division may round it either way.
     """
     prod, cons = g.producers(), g.consumers()
     drop: set[int] = set()
     for r in list(g.nodes):
-        if r.op_type != "Relu":
+        bounds = _clip_bounds(g, r)
+        if bounds is None:
             continue
         dq = prod.get(r.input[0])
         users = cons.get(r.output[0], [])
@@ -150,28 +154,30 @@ def _relu_unsigned(g: Graph) -> None:
             continue
         if len(cons.get(dq.output[0], [])) != 1 or any(u.op_type != "QuantizeLinear" for u in users):
             continue
-        s_in, z_in, t_in = _qparams(g, dq)
-        if z_in is None or s_in is None or s_in.ndim != 0:
+        if any(o in g.graph_outputs for u in users for o in u.output) or not all(same_q(g, dq, q) for q in users):
             continue
-        signed = _signed_grid(t_in, z_in)
-        if not signed and not _unsigned_grid(t_in, z_in):
+        s, z, t = _qparams(g, dq)
+        if s is None or z is None or s.ndim != 0 or t not in _CODE_RANGE:
             continue
-        if any(o in g.graph_outputs for u in users for o in u.output):
+        codes = [_code(b, float(s), int(z), t) for b in bounds]
+        if None in codes:
             continue
-        ok = True
-        for q in users:
-            s, z, t = _qparams(g, q)
-            if s is None or z is None or t != t_in or s.shape != s_in.shape or not np.array_equal(s, s_in) or \
-                    not np.array_equal(z, z_in):
-                ok = False
-        if not ok:
-            continue
-        if signed:
-            mx = g.make_node("Max", [dq.input[0], dq.input[2]], hint="relu_int", like=r)
-            g.nodes.insert(g.nodes.index(r), mx)
-            kept = mx.output[0]
-        else:  # zero is the grid's lowest value: ReLU changes nothing on it
-            kept = dq.input[0]
+        lo, hi = codes
+        qmin, qmax = _CODE_RANGE[t]
+        kept = dq.input[0]
+        dtype = np.int8 if t == TensorProto.INT8 else np.uint8
+        if lo > qmin or hi < qmax:
+            at = g.nodes.index(r)
+            if hi >= qmax:
+                op, ins = "Max", [kept, g.add_const(g.fresh(f"{r.name}_lo"), np.array(lo, dtype))]
+            elif lo <= qmin:
+                op, ins = "Min", [kept, g.add_const(g.fresh(f"{r.name}_hi"), np.array(hi, dtype))]
+            else:
+                op, ins = "Clip", [kept, g.add_const(g.fresh(f"{r.name}_lo"), np.array(lo, dtype)),
+                                   g.add_const(g.fresh(f"{r.name}_hi"), np.array(hi, dtype))]
+            node = g.make_node(op, ins, hint=f"{r.name}_int", like=r)
+            g.nodes.insert(at, node)
+            kept = node.output[0]
         for q in users:
             g.replace_uses(q.output[0], kept)
             drop.add(id(q))
@@ -179,18 +185,37 @@ def _relu_unsigned(g: Graph) -> None:
     g.nodes = [n for n in g.nodes if id(n) not in drop]
 
 
-def _unsigned_grid(t, z) -> bool:
-    """uint8 with zero point 0 (an unsigned quantizer, e.g. after a ReLU): its lowest value is 0."""
-    return t == TensorProto.UINT8 and bool(np.all(z == 0))
+_CODE_RANGE = {TensorProto.INT8: (-128, 127), TensorProto.UINT8: (0, 255)}
 
 
-def _signed_grid(t, z) -> bool:
-    """int8 with zero point 0, or its uint8 twin with zero point 128 (same grid, same range)."""
-    if t == TensorProto.INT8:
-        return bool(np.all(z == 0))
-    if t == TensorProto.UINT8:
-        return bool(np.all(z == 128))
-    return False
+def _clip_bounds(g: Graph, n) -> tuple[float, float] | None:
+    """(lo, hi) of a Relu, or of a Clip whose bounds are absent or scalar constants; None for anything else."""
+    if n.op_type == "Relu":
+        return 0.0, np.inf
+    if n.op_type != "Clip" or n.domain not in ("", "ai.onnx"):
+        return None
+    out = []
+    for k, default in ((1, -np.inf), (2, np.inf)):
+        if len(n.input) <= k or not n.input[k]:
+            out.append(default)
+            continue
+        v = g.const(n.input[k])
+        if v is None or v.size != 1:
+            return None
+        out.append(float(v.reshape(())))
+    return out[0], out[1]
+
+
+def _code(bound: float, scale: float, zero_point: int, t) -> int | None:
+    """The quantizer's code for ``bound`` (round half to even of ``bound / scale`` in float32, plus the zero
+    point, saturated); None when ``bound / scale`` is within a thousandth of a tie."""
+    qmin, qmax = _CODE_RANGE[t]
+    if np.isinf(bound):
+        return qmax if bound > 0 else qmin
+    v = float(np.float32(bound) / np.float32(scale))
+    if abs(abs(v - np.floor(v)) - 0.5) < 1e-3:
+        return None
+    return int(min(max(np.rint(v) + zero_point, qmin), qmax))
 
 
 # =========================================================================== onnxruntime-friendly details

@@ -2,11 +2,13 @@
 
 A row says, for one ONNX op:
 
-* ``commutes``: ``op(fq(x)) == fq(op(x))`` *exactly* for any per-tensor quantizer ``fq`` whose grid
-  contains 0. True only for ops that are monotone non-decreasing and map grid values to grid values
-  (ReLU, MaxPool, pure data movement). A quantizer may then be moved (hoisted) across the op. PReLU,
-  LeakyReLU, GELU, SiLU, Hardswish, Sigmoid, Clip to arbitrary bounds and averaging are NOT here:
-  moving a quantizer across them changes the result.
+* ``commutes``: ``fq(op(fq(x))) == fq(op(x))`` *exactly* for any per-tensor quantizer ``fq`` whose grid
+  contains 0, so a quantizer that reads the op's output may be copied (hoisted) to its input, the one after
+  the op staying. True for ops that map grid values to grid values and keep order (ReLU, MaxPool, pure data
+  movement), and for Clip to any constant bounds: a rounding that keeps order distributes over ``min`` and
+  ``max`` (``fq(min(a, c)) == min(fq(a), fq(c))``), so ``fq(clip(fq(x), lo, hi))`` and ``fq(clip(x, lo, hi))``
+  are both ``clamp(fq(x), fq(lo), fq(hi))``. PReLU, LeakyReLU, GELU, SiLU, Hardswish, Sigmoid and averaging
+  are NOT here: moving a quantizer across them changes the result.
 * ``produces``: the op computes a new value that a quantizer right after it turns into the output of
   a fused integer kernel (``DQ -> op -> Q``). A quantizer hoisted through commuting ops stops here.
 * ``onnxruntime`` / ``tensorrt``: the integer kernel the runtime runs for ``DQ -> op -> Q``
@@ -37,6 +39,8 @@ RULES: dict[str, OpRule] = {
     "GlobalAveragePool":  OpRule(False, True,  "QLinearGlobalAveragePool",   "int8 pooling"),
     "AveragePool":        OpRule(False, True,  "QLinearAveragePool",         "int8 pooling"),
     "Relu":               OpRule(True,  False, "integer Max (or fused)",     "fused into the producer"),
+    # ReLU6, Hardtanh, clamp: the bounds' codes on the integers (or nothing, when outside the grid's range)
+    "Clip":               OpRule(True,  False, "integer Clip (or fused)",    "fused into the producer"),
     "MaxPool":            OpRule(True,  False, "MaxPool on uint8",           "int8 pooling"),
     "Reshape":            OpRule(True,  False, "on integers",                "on integers"),
     "Flatten":            OpRule(True,  False, "on integers",                "on integers"),
@@ -52,7 +56,6 @@ RULES: dict[str, OpRule] = {
     "LeakyRelu":          OpRule(False, False, "QLinearLeakyRelu",           "fused into the producer"),
     "Sigmoid":            OpRule(False, False, "QLinearSigmoid",             "fused into the producer"),
     "HardSwish":          OpRule(False, False, None,                         "fused into the producer"),
-    "Clip":               OpRule(False, False, None,                         "fused into the producer"),
 }
 
 
