@@ -1,5 +1,5 @@
 """ReLU6, Hardtanh and clamp (ONNX ``Clip``) between a conv and its reader's quantizer
-(:func:`lq.export._placement.hoist_quantizers`, :func:`lq.export._placement._clips_on_integers`).
+(:func:`lq.export._placement.hoist_quantizers`, :func:`lq.export._placement.clips_on_integers`).
 
 A rounding that keeps order distributes over min and max, so ``Q(clip(x, lo, hi)) == clamp(Q(x), Q(lo), Q(hi))``
 for any constant bounds: the quantizer after a Clip may be copied to its input (the conv then fuses into
@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from lq.export._ir import Graph
-from lq.export._placement import _clips_on_integers, hoist_quantizers
+from lq.export._placement import clips_on_integers, hoist_quantizers
 from lq.export._verify import make_session
 
 from bench.ordinary import InvertedResidual
@@ -96,7 +96,7 @@ CASES = [  # scale, zero point, type, lo, hi, the op the integers get (None: not
 @pytest.mark.parametrize("scale,zp,t,lo,hi,op", CASES)
 def test_a_clip_between_two_quantizers_runs_on_the_integers(scale, zp, t, lo, hi, op):
     model = _dq_clip_q(scale, zp, t, lo, hi)
-    new = _rewritten(model, _clips_on_integers)
+    new = _rewritten(model, clips_on_integers)
     assert [n.op_type for n in new.graph.node] == ([op] if op else []) + ["DequantizeLinear"]
     codes = np.arange(np.iinfo(NP[t]).min, np.iinfo(NP[t]).max + 1).astype(NP[t])
     np.testing.assert_array_equal(_run(new, codes), _run(model, codes))
@@ -105,7 +105,7 @@ def test_a_clip_between_two_quantizers_runs_on_the_integers(scale, zp, t, lo, hi
 @pytest.mark.parametrize("t,zp", [(INT8, 0), (UINT8, 0), (UINT8, 128), (UINT8, 7)])
 def test_a_relu_between_two_quantizers_runs_on_the_integers(t, zp):
     model = _dq_clip_q(0.02, zp, t, None, None, op="Relu")
-    new = _rewritten(model, _clips_on_integers)
+    new = _rewritten(model, clips_on_integers)
     codes = np.arange(np.iinfo(NP[t]).min, np.iinfo(NP[t]).max + 1).astype(NP[t])
     assert [n.op_type for n in new.graph.node] == ([] if zp == 0 and t == UINT8 else ["Max"]) + ["DequantizeLinear"]
     np.testing.assert_array_equal(_run(new, codes), _run(model, codes))
@@ -114,14 +114,14 @@ def test_a_relu_between_two_quantizers_runs_on_the_integers(t, zp):
 def test_a_bound_on_a_rounding_tie_is_left_alone():
     """3.5 steps: the runtime's division may round the bound either way, so the float Clip stays."""
     model = _dq_clip_q(0.1, 0, INT8, 0.0, 0.35, op="Clip")
-    assert [n.op_type for n in _rewritten(model, _clips_on_integers).graph.node] == [
+    assert [n.op_type for n in _rewritten(model, clips_on_integers).graph.node] == [
         "DequantizeLinear", "Clip", "QuantizeLinear", "DequantizeLinear"]
 
 
 def test_a_clip_with_a_tensor_bound_is_left_alone():
     model = _dq_clip_q(0.1, 0, INT8, 0.0, 6.0)
     model.graph.initializer[-1].CopyFrom(numpy_helper.from_array(np.full(3, 6.0, np.float32), "hi"))
-    assert [n.op_type for n in _rewritten(model, _clips_on_integers).graph.node] == [
+    assert [n.op_type for n in _rewritten(model, clips_on_integers).graph.node] == [
         "DequantizeLinear", "Clip", "QuantizeLinear", "DequantizeLinear"]
 
 
@@ -141,7 +141,7 @@ def test_the_quantizer_after_a_clip_moves_before_it_exactly(lo, hi, scale, t):
              helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])]
     model = _model(nodes, [numpy_helper.from_array(w, "w")] + _grid(scale, 0, t) + binits, TensorProto.FLOAT,
                    TensorProto.FLOAT)
-    new = _rewritten(model, lambda g: hoist_quantizers(g, clips_on_integers=True))
+    new = _rewritten(model, lambda g: (hoist_quantizers(g), clips_on_integers(g)))
     ops = [n.op_type for n in new.graph.node]
     # one quantizer, right after the conv: whatever clip is left reads integers
     assert ops[:2] == ["Conv", "QuantizeLinear"] and ops[-1] == "DequantizeLinear" and len(ops) <= 4, ops

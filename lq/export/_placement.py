@@ -50,14 +50,13 @@ def dedupe_quantizers(g: Graph) -> int:
     return merged
 
 
-def hoist_quantizers(g: Graph, clips_on_integers: bool) -> int:
+def hoist_quantizers(g: Graph) -> int:
     """Quantize the output of a Conv/Gemm/Add where its only reader is a chain of ops that commute with
     fake quantization (ReLU, ReLU6/Clip, MaxPool, reshapes) ending in a QuantizeLinear.
 
-    ``P -> f -> Q -> DQ`` becomes ``P -> Q -> DQ -> f -> Q -> DQ``: exact (``f`` of a value on the grid is
-    on the grid), and it gives onnxruntime ``DQ -> P -> Q`` (QLinearConv, QLinearAdd ...) and
-    ``DQ -> f -> Q`` (f in int8). With ``clips_on_integers`` a ReLU/Clip between two quantizers on one grid
-    becomes the same clip on the integers, or nothing (:func:`_clips_on_integers`).
+    ``P -> f -> Q -> DQ`` becomes ``P -> Q -> DQ -> f -> Q -> DQ``: exact (the ``commutes`` column of
+    :mod:`lq.export._rules`), and it gives onnxruntime ``DQ -> P -> Q`` (QLinearConv, QLinearAdd ...) and
+    ``DQ -> f -> Q`` (f in int8; a ReLU/Clip there then runs on the integers: :func:`clips_on_integers`).
     """
     moved = 0
     for _ in range(64):
@@ -117,8 +116,6 @@ def hoist_quantizers(g: Graph, clips_on_integers: bool) -> int:
             break
         if not did:
             break
-    if clips_on_integers:
-        _clips_on_integers(g)
     return moved
 
 
@@ -130,7 +127,7 @@ def _shape_readers_apart(readers) -> tuple[list, list]:
     return [r for r in readers if r.op_type == "Shape"], [r for r in readers if r.op_type != "Shape"]
 
 
-def _clips_on_integers(g: Graph) -> None:
+def clips_on_integers(g: Graph) -> None:
     """``DQ(q) -> ReLU/Clip -> Q`` on one grid -> the clip on the integers: ``Max(q, code(lo))``,
     ``Min(q, code(hi))``, ``Clip(q, code(lo), code(hi))``, or ``q`` itself where a bound lies outside the grid.
 
@@ -157,26 +154,20 @@ def _clips_on_integers(g: Graph) -> None:
         if any(o in g.graph_outputs for u in users for o in u.output) or not all(same_q(g, dq, q) for q in users):
             continue
         s, z, t = _qparams(g, dq)
-        if s is None or z is None or s.ndim != 0 or t not in _CODE_RANGE:
+        if s is None or z is None or s.ndim != 0 or t not in _CODE_TYPES:
             continue
         codes = [_code(b, float(s), int(z), t) for b in bounds]
         if None in codes:
             continue
-        lo, hi = codes
-        qmin, qmax = _CODE_RANGE[t]
+        (lo, hi), dtype = codes, _CODE_TYPES[t]
+        info = np.iinfo(dtype)
         kept = dq.input[0]
-        dtype = np.int8 if t == TensorProto.INT8 else np.uint8
-        if lo > qmin or hi < qmax:
-            at = g.nodes.index(r)
-            if hi >= qmax:
-                op, ins = "Max", [kept, g.add_const(g.fresh(f"{r.name}_lo"), np.array(lo, dtype))]
-            elif lo <= qmin:
-                op, ins = "Min", [kept, g.add_const(g.fresh(f"{r.name}_hi"), np.array(hi, dtype))]
-            else:
-                op, ins = "Clip", [kept, g.add_const(g.fresh(f"{r.name}_lo"), np.array(lo, dtype)),
-                                   g.add_const(g.fresh(f"{r.name}_hi"), np.array(hi, dtype))]
-            node = g.make_node(op, ins, hint=f"{r.name}_int", like=r)
-            g.nodes.insert(at, node)
+        low = [g.add_const(f"{r.name}_lo", np.array(lo, dtype))] if lo > info.min else []
+        high = [g.add_const(f"{r.name}_hi", np.array(hi, dtype))] if hi < info.max else []
+        if low or high:
+            op = "Clip" if low and high else "Max" if low else "Min"
+            node = g.make_node(op, [kept] + low + high, hint=f"{r.name}_int", like=r)
+            g.nodes.insert(g.nodes.index(r), node)
             kept = node.output[0]
         for q in users:
             g.replace_uses(q.output[0], kept)
@@ -185,7 +176,7 @@ def _clips_on_integers(g: Graph) -> None:
     g.nodes = [n for n in g.nodes if id(n) not in drop]
 
 
-_CODE_RANGE = {TensorProto.INT8: (-128, 127), TensorProto.UINT8: (0, 255)}
+_CODE_TYPES = {TensorProto.INT8: np.int8, TensorProto.UINT8: np.uint8}
 
 
 def _clip_bounds(g: Graph, n) -> tuple[float, float] | None:
@@ -209,7 +200,8 @@ def _clip_bounds(g: Graph, n) -> tuple[float, float] | None:
 def _code(bound: float, scale: float, zero_point: int, t) -> int | None:
     """The quantizer's code for ``bound`` (round half to even of ``bound / scale`` in float32, plus the zero
     point, saturated); None when ``bound / scale`` is within a thousandth of a tie."""
-    qmin, qmax = _CODE_RANGE[t]
+    info = np.iinfo(_CODE_TYPES[t])
+    qmin, qmax = int(info.min), int(info.max)
     if np.isinf(bound):
         return qmax if bound > 0 else qmin
     v = float(np.float32(bound) / np.float32(scale))
