@@ -88,9 +88,11 @@ def calibration_batches(n: int = 8, batch: int = 32, seed: int = 1):
     return [torch.randn(batch, 3, 32, 32, generator=g) for _ in range(n)]
 
 
-def quantize_and_calibrate(model: nn.Module, batches, reduce_range: bool = False) -> nn.Module:
-    """lq's PTQ: quantize_model + max calibration (per-tensor inputs, per-channel weights; with
-    ``reduce_range`` the ``Int8ReduceRangeConfig`` recipe: 7-bit weights, unsigned inputs after ReLU)."""
+def quantize_and_calibrate(model: nn.Module, batches, reduce_range: bool = False,
+                           method: str | None = "max") -> nn.Module:
+    """lq's PTQ: quantize_model + calibration (per-tensor inputs, per-channel weights; with ``reduce_range``
+    the ``Int8ReduceRangeConfig`` recipe: 7-bit weights, unsigned inputs after ReLU). ``method``: the
+    activations' calibration method, max here (this bench's tables); None: lq's default (``auto``)."""
     from lq.calibration import calibrate_model
     from lq.config import Int8ReduceRangeConfig
     from lq.convert import quantize_model
@@ -101,7 +103,7 @@ def quantize_and_calibrate(model: nn.Module, batches, reduce_range: bool = False
                    unsigned_after_relu=reduce_range and recipe.unsigned_after_relu)
     model.eval()
     with torch.no_grad():
-        calibrate_model(model, batches, method="max")
+        calibrate_model(model, batches, **({} if method is None else {"method": method}))
     return model
 
 

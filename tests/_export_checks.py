@@ -33,3 +33,27 @@ def assert_file_matches_pytorch(model: torch.nn.Module, res, x: torch.Tensor) ->
     sess = ort.InferenceSession(res.path, providers=["CPUExecutionProvider"])
     got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
     assert np.abs(got - want).max() <= res.tolerance
+
+
+#: onnxruntime with its graph optimizations off and on: a rewrite must give the same numbers under both
+LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_ALL")
+
+
+def run_graph(model: onnx.ModelProto, x: np.ndarray, level: str) -> list[np.ndarray]:
+    """Every output of a one-input (``x``) graph in onnxruntime at optimization ``level`` (a LEVELS name)."""
+    import onnxruntime as ort
+
+    from lq.export._verify import make_session
+
+    sess = make_session(model.SerializeToString(), ["CPUExecutionProvider"],
+                        graph_optimization_level=getattr(ort.GraphOptimizationLevel, level))
+    return sess.run(None, {"x": x})
+
+
+def rewritten(model: onnx.ModelProto, graph_pass, *args) -> tuple[int, onnx.ModelProto]:
+    """``(what graph_pass(Graph, *args) returned, the rewritten model)`` on a copy of ``model``."""
+    from lq.export._ir import Graph
+
+    g = Graph(onnx.ModelProto.FromString(model.SerializeToString()))
+    done = graph_pass(g, *args)
+    return done, g.finalize()

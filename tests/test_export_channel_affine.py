@@ -19,15 +19,12 @@ from torch import nn
 
 from lq.export._channel_affine import affines_as_batchnorm
 from lq.export._finish import value_shapes
-from lq.export._ir import Graph
-from lq.export._verify import make_session
 
-from _export_checks import assert_file_matches_pytorch, quantize_calibrate_export
+from _export_checks import LEVELS, assert_file_matches_pytorch, quantize_calibrate_export, rewritten, run_graph
 
 ort = pytest.importorskip("onnxruntime")
 torch.set_flush_denormal(True)
 
-LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_ALL")
 
 
 def _affine(x_shape, gamma: np.ndarray, beta: np.ndarray, mul_read_twice: bool = False) -> onnx.ModelProto:
@@ -45,15 +42,11 @@ def _affine(x_shape, gamma: np.ndarray, beta: np.ndarray, mul_read_twice: bool =
 
 
 def _rewrite(model: onnx.ModelProto) -> tuple[int, onnx.ModelProto]:
-    g = Graph(onnx.ModelProto.FromString(model.SerializeToString()))
-    done = affines_as_batchnorm(g, value_shapes(model))
-    return done, g.finalize()
+    return rewritten(model, affines_as_batchnorm, value_shapes(model))
 
 
-def _run(model: onnx.ModelProto, x: np.ndarray, level: str) -> list[np.ndarray]:
-    sess = make_session(model.SerializeToString(), ["CPUExecutionProvider"],
-                        graph_optimization_level=getattr(ort.GraphOptimizationLevel, level))
-    return sess.run(None, {"x": x})
+def _run(model: onnx.ModelProto, x: np.ndarray, level: str):
+    return run_graph(model, x, level)
 
 
 RNG = np.random.default_rng(0)

@@ -18,9 +18,8 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from lq.export._gelu_order import reorder_gelus
-from lq.export._ir import Graph
 
-from _export_checks import assert_file_matches_pytorch, quantize_calibrate_export
+from _export_checks import assert_file_matches_pytorch, quantize_calibrate_export, rewritten
 
 ort = pytest.importorskip("onnxruntime")
 torch.set_flush_denormal(True)
@@ -42,9 +41,7 @@ def _dynamo_gelu(root: float = math.sqrt(2.0), half: float = 0.5, share_half: bo
 
 
 def _rewrite(model: onnx.ModelProto) -> tuple[int, onnx.ModelProto]:
-    g = Graph(onnx.ModelProto.FromString(model.SerializeToString()))
-    done = reorder_gelus(g)
-    return done, g.finalize()
+    return rewritten(model, reorder_gelus)
 
 
 def _session(model, level: str, optimized: str | None = None):

@@ -19,14 +19,13 @@ from lq.calibration import calibrate_model
 from lq.config import QuantizerConfig
 from lq.convert import quantize_model
 from lq.export import export_onnx
-from lq.export._ir import Graph
 from lq.export._pool_first import pool_before_activations
-from lq.export._verify import make_session
+
+from _export_checks import LEVELS, rewritten, run_graph
 
 ort = pytest.importorskip("onnxruntime")
 torch.set_flush_denormal(True)
 
-LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_ALL")
 
 
 def _graph(act: str, slope: np.ndarray | float, quantized: bool, narrow: bool = False) -> onnx.ModelProto:
@@ -53,16 +52,12 @@ def _graph(act: str, slope: np.ndarray | float, quantized: bool, narrow: bool = 
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def _run(model: onnx.ModelProto, x: np.ndarray, level: str) -> np.ndarray:
-    sess = make_session(model.SerializeToString(), ["CPUExecutionProvider"],
-                        graph_optimization_level=getattr(ort.GraphOptimizationLevel, level))
-    return sess.run(None, {"x": x})[0]
+def _run(model: onnx.ModelProto, x: np.ndarray, level: str):
+    return run_graph(model, x, level)[0]
 
 
 def _rewrite(model: onnx.ModelProto) -> tuple[int, onnx.ModelProto]:
-    g = Graph(onnx.ModelProto.FromString(model.SerializeToString()))
-    moved = pool_before_activations(g)
-    return moved, g.finalize()
+    return rewritten(model, pool_before_activations)
 
 
 PER_CHANNEL = np.array([0.0, 0.1, 0.25, 0.7], np.float32).reshape(4, 1, 1)

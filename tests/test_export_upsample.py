@@ -18,17 +18,14 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from lq.export._finish import value_shapes
-from lq.export._ir import Graph
 from lq.export._rules import ORT_NHWC_UPSAMPLE_MIN_CHANNELS
 from lq.export._upsample import nearest_upsamples_as_expand
-from lq.export._verify import make_session
 
-from _export_checks import assert_file_matches_pytorch, quantize_calibrate_export
+from _export_checks import LEVELS, assert_file_matches_pytorch, quantize_calibrate_export, rewritten, run_graph
 
 ort = pytest.importorskip("onnxruntime")
 torch.set_flush_denormal(True)
 
-LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_ALL")
 C = 16
 
 
@@ -76,15 +73,11 @@ def _graph(factors=(2, 2), channels: int = C, rank: int = 4, conv: bool = True, 
 
 
 def _rewrite(model: onnx.ModelProto) -> tuple[int, onnx.ModelProto]:
-    g = Graph(onnx.ModelProto.FromString(model.SerializeToString()))
-    done = nearest_upsamples_as_expand(g, value_shapes(model))
-    return done, g.finalize()
+    return rewritten(model, nearest_upsamples_as_expand, value_shapes(model))
 
 
-def _run(model: onnx.ModelProto, x: np.ndarray, level: str) -> np.ndarray:
-    sess = make_session(model.SerializeToString(), ["CPUExecutionProvider"],
-                        graph_optimization_level=getattr(ort.GraphOptimizationLevel, level))
-    return sess.run(None, {"x": x})[0]
+def _run(model: onnx.ModelProto, x: np.ndarray, level: str):
+    return run_graph(model, x, level)[0]
 
 
 @pytest.mark.parametrize("factors,rank,spatial", [((2, 2), 4, (7, 9)), ((3, 1), 4, (5, 6)), ((1, 4), 4, (4, 4)),

@@ -501,7 +501,8 @@ def test_unet_skip_tensor_has_one_grid_and_every_conv_is_integer(tmp_path, metho
     """A U-Net's skip tensor is max-pooled into the next encoder conv and concatenated in the decoder: its cat
     operand is quantized by that conv's own input quantizer (through the max pool and the nn.Sequential), so
     the tensor has one grid whatever the calibration, the conv writing it fuses, nearest upsampling runs on
-    integers and the concat is QLinearConcat. Only the head (read by mean) is float, and the report says why."""
+    integers and the concat is QLinearConcat. Only the 1x1 head is float: the mean that read it now runs first
+    and the head on one pixel per image (lq.export._mean_first), and the report says so."""
     pytest.importorskip("onnxruntime")
     from bench.ordinary import UNet
 
@@ -531,6 +532,6 @@ def test_unet_skip_tensor_has_one_grid_and_every_conv_is_integer(tmp_path, metho
     assert not [n.name for n in onnx.load(res.path).graph.node if "_copy" in n.name]
     kernels = {k.layer: k for k in res.layer_kernels if k.op == "Conv"}
     assert all(k.kernel == "QLinearConv" for name, k in kernels.items() if name != "head"), kernels
-    assert "ReduceMean" in kernels["head"].reason
+    assert kernels["head"].by_choice and "average of its input" in kernels["head"].reason, kernels["head"]
     ops = optimized_op_counts(res.path)
     assert ops.get("QLinearConcat") == 2 and "Concat" not in ops and "Relu" not in ops and "Max" not in ops, ops

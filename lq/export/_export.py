@@ -16,7 +16,8 @@ import onnx
 import torch
 
 from lq.export import (_channel_affine, _finish, _float_convs, _float_twin, _fold_bn, _fold_constants, _gelu_order,
-                       _int16, _kernel_report, _loop_ops, _loops, _lower, _model_checks, _placement, _pool_first,
+                       _int16, _kernel_report, _loop_ops, _loops, _lower, _mean_first, _model_checks, _placement,
+                       _pool_first,
                        _symbolic, _timing, _torch_onnx, _upsample, _verify)
 from lq.export._fold_bn import FoldRecord
 from lq.export._ir import ExportError, Graph, QuantNodeInfo, all_nodes, layer_name
@@ -260,6 +261,7 @@ def export_onnx(
     g = Graph(proto)
     changed = _placement.global_pools(g, {k: len(v) for k, v in shapes.items()})
     if target == "onnxruntime":
+        changed += _mean_first.mean_before_pointwise_convs(g)
         changed += _channel_affine.affines_as_batchnorm(g, shapes)
         changed += _upsample.nearest_upsamples_as_expand(g, shapes)
         changed += _gelu_order.reorder_gelus(g)

@@ -15,16 +15,24 @@ import re
 import onnx
 
 from lq.export._ir import Graph, as_model
+from lq.export._mean_first import MEAN_FIRST
 from lq.export._rules import FLOAT_BY_CHOICE, FLOAT_MARKERS, ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP
 from lq.export._verify import INT8_KERNELS
 
 #: the reason of a conv the export left float on purpose (:mod:`lq.export._float_convs`)
 BY_CHOICE = (f"float by choice: fewer than {ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP} input channels per group "
              "(depthwise or a 1-3 channel stem), where onnxruntime's float conv is faster than its integer one")
+#: the reason of a 1x1 conv the export moved behind the spatial mean that read it (:mod:`lq.export._mean_first`)
+ON_THE_MEAN = ("float by choice: a 1x1 conv whose output was averaged now runs on the average of its input "
+               "(one pixel per image instead of the whole map: less work than any kernel, the same numbers)")
+#: reasons of convs the export left float on purpose, because that is faster
+CHOSEN = (BY_CHOICE, ON_THE_MEAN)
 
 #: exported ops a layer's kernel is reported for (the compute ops and the quantized joins/pools)
 _COMPUTE = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 _JOINS = ("Add", "Mul", "Concat", "AveragePool", "GlobalAveragePool")
+#: activations lq.glue gives no output quantizer in front of (see FLOAT_READER_MODULES in lq.glue._rules)
+_SLOPED = ("PRelu", "LeakyRelu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +51,7 @@ class LayerKernel:
     @property
     def by_choice(self) -> bool:
         """Float because the export chose the faster float kernel (not for want of a quantizer)."""
-        return self.reason == BY_CHOICE
+        return self.reason in CHOSEN
 
     def text(self) -> str:
         return self.kernel if self.integer else f"{self.kernel} (float: {self.reason})"
@@ -55,6 +63,8 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: 
     Readers are named by the PyTorch module they come from (``layer_of``) where known, else by op type."""
     if n.op_type == "Conv" and len(n.input) > 1 and FLOAT_BY_CHOICE in n.input[1]:
         return BY_CHOICE
+    if n.op_type == "Conv" and prod.get(n.input[0]) is not None and MEAN_FIRST in prod[n.input[0]].name:
+        return ON_THE_MEAN
     data_inputs = n.input[:2] if n.op_type in _COMPUTE else [i for i in n.input if i and not g.is_const(i)]
     data_inputs = [i for i in data_inputs if not _float_weights(i)]  # dequantized by the export: quantized
     if any(prod.get(i) is None or prod[i].op_type != "DequantizeLinear" for i in data_inputs):
@@ -77,9 +87,14 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: 
         behind = [f"{(layer_of or {}).get(v.name) or v.op_type} ({v.op_type})" for u in floats if u.op_type == "MaxPool"
                   for v in cons.get(u.output[0], []) if v.op_type != "QuantizeLinear"]
         what = "a conv/gemm" if n.op_type in _COMPUTE else n.op_type
-        hint = ("quantize the add's inputs, e.g. lq.nn.QuantAdd for a residual add"
-                if any(u.op_type == "Add" for u in floats) else
-                f"onnxruntime runs {what} as an integer kernel only when a QuantizeLinear reads its output")
+        if any(u.op_type == "Add" for u in floats):
+            hint = "quantize the add's inputs, e.g. lq.nn.QuantAdd for a residual add"
+        elif floats and all(u.op_type in _SLOPED for u in floats):
+            hint = ("lq gives a conv before PReLU/LeakyReLU no output quantizer on purpose: the slope times a grid "
+                    "value often lands exactly between two steps of the next quantizer, and onnxruntime and PyTorch "
+                    "round such ties differently (lq.glue._rules)")
+        else:
+            hint = f"onnxruntime runs {what} as an integer kernel only when a QuantizeLinear reads its output"
         then = f", then by {', '.join(sorted(set(behind)))}," if behind else ""
         return f"its output is read by {', '.join(readers)}{then} without a quantizer ({hint})"
     return None
@@ -98,7 +113,7 @@ def unfused_layers(model: onnx.ModelProto, layer_of: dict[str, str]) -> list[str
         for n in g.nodes:
             if n.op_type in _COMPUTE:
                 why = float_reason(n, g, prod, cons, layer_of)
-                if why and why != BY_CHOICE:
+                if why and why not in CHOSEN:
                     out.append(f"{layer_of.get(n.name) or n.name}: {why}")
     return out
 
@@ -165,8 +180,8 @@ def _kernels(g: Graph, optimized: onnx.GraphProto, model: onnx.ModelProto, layer
                 twin = next((b.g for b in opt_loop.attribute if b.name == a.name and b.type == a.type), None)
                 if twin is not None:
                     out.extend(_kernels(Graph(as_model(a.g, model)), twin, model, layer_of))
-        if n.op_type not in _COMPUTE + _JOINS or not _quantized(n, prod):
-            continue
+        if n.op_type not in _COMPUTE + _JOINS or not _quantized(n, prod) or MEAN_FIRST in n.name:
+            continue  # (a mean the export moved in front of a 1x1 conv: the model's float mean, not a layer)
         kernel = _runs_as(n, opt_by_name, opt_cons, prod)
         reason = None
         if kernel not in INT8_KERNELS:
