@@ -94,14 +94,40 @@ def _quantized(model, batch_first, seed=0):
     return model
 
 
+class Proj(nn.Module):
+    """An nn.LSTM with proj_size (h is projected: no ONNX LSTM attribute for that), all steps out."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        self.rnn = nn.LSTM(5, 8, proj_size=3, batch_first=True, **kw)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+def _calibrated_proj(**kw) -> nn.Module:
+    model = Proj(**kw)
+    quantize_model(model)
+    model.eval()
+    with torch.no_grad():
+        calibrate_model(model, [torch.randn(4, 9, 5) for _ in range(2)], method="max")
+    return model
+
+
 def _nodes(path) -> int:
     return sum(1 for _ in all_nodes(onnx.load(str(path)).graph))
 
 
 def _run(path, feeds):
+    return _run_model(str(path), feeds)
+
+
+def _run_model(model, feeds):
+    """onnxruntime (all optimizations on) on a file path or a ModelProto."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    source = model if isinstance(model, str) else model.SerializeToString()
+    sess = ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
     return sess.run(None, {i.name: np.ascontiguousarray(f) for i, f in zip(sess.get_inputs(), feeds)})
 
 
@@ -169,6 +195,64 @@ def test_the_steps_matmuls_run_on_integer_kernels_inside_the_loop(tmp_path):
     assert all(k.integer for k in rnn), [k.text() for k in rnn]
     assert res.ort_ops["QGemm"] >= 4  # counted inside the loop bodies too
     assert res.speedup is not None  # the FP32 twin (placeholders in the bodies made Identity) runs
+    # and no warning calls them float: onnxruntime fuses a Gemm/MatMul whose float output an Add reads
+    assert not [w for w in res.warnings if w.startswith("onnxruntime runs")], res.warnings
+
+
+def _twins(monkeypatch, model, sample, path):
+    """Export ``model`` and return its FP32 twin both ways, from the exporter's graph: recurrent layers as
+    ONNX LSTM ops (what the export times against) and as the float Scan of the INT8 file's step."""
+    from lq.export import _export, _float_twin
+
+    seen, real = [], _float_twin.float_twin
+
+    def spy(proto, *a, **kw):
+        seen.append(onnx.ModelProto.FromString(proto.SerializeToString()))
+        return real(proto, *a, **kw)
+
+    monkeypatch.setattr(_export._float_twin, "float_twin", spy)
+    res = export_onnx(model, sample, path, dynamic_dims=(1,))
+    (pre,) = seen
+    return res, real(pre), real(pre, fused_recurrent=False)
+
+
+def test_the_speed_check_times_against_the_fused_float_lstm(tmp_path, monkeypatch):
+    """A plain FP32 export of nn.LSTM is one ONNX LSTM op per layer and direction, which onnxruntime runs
+    faster than a float Scan of the step: the export's FP32 twin must be that op, computing what the float
+    model computes (torch's gate order rewritten to ONNX's), or the speed check flatters the INT8 file."""
+    model = _quantized(Seq(True), True)
+    res, fused, scan = _twins(monkeypatch, model, torch.randn(2, 6, 5), tmp_path / "lstm.onnx")
+    assert res.speedup is not None
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops.count("LSTM") == 4 and "Scan" not in ops and "MatMul" not in ops, ops
+    assert [n.op_type for n in scan.graph.node].count("Scan") == 4
+    x = torch.randn(3, 11, 5, generator=torch.Generator().manual_seed(3))
+    for q in model.modules():  # the float model: every quantizer off
+        if isinstance(q, quant_nn.TensorQuantizer):
+            q.disable()
+    with torch.no_grad():
+        want = [t.numpy() for t in model(x)]
+    for twin in (fused, scan):
+        got = _run_model(twin, [x.numpy()])
+        for g_, e in zip(got, want):
+            assert g_.shape == e.shape and float(np.abs(g_ - e).max()) <= 1e-5, float(np.abs(g_ - e).max())
+
+
+def test_the_speed_check_keeps_a_float_scan_for_an_lstm_the_op_cannot_express(tmp_path, monkeypatch):
+    """proj_size has no ONNX LSTM attribute: that layer's twin stays the float Scan, and still computes the
+    float model."""
+
+    model = _calibrated_proj(num_layers=1, bidirectional=False)
+    _, fused, _ = _twins(monkeypatch, model, torch.randn(2, 6, 5), tmp_path / "proj.onnx")
+    ops = [n.op_type for n in fused.graph.node]
+    assert "LSTM" not in ops and ops.count("Scan") == 1, ops
+    x = torch.randn(3, 10, 5)
+    for q in model.modules():
+        if isinstance(q, quant_nn.TensorQuantizer):
+            q.disable()
+    with torch.no_grad():
+        want = model(x).numpy()
+    assert float(np.abs(_run_model(fused, [x.numpy()])[0] - want).max()) <= 1e-5
 
 
 @pytest.mark.parametrize("kw", [dict(bidirectional=False, num_layers=1), dict(bidirectional=False, num_layers=2)],
@@ -186,19 +270,7 @@ def test_unidirectional_lstm(tmp_path, kw):
 
 
 def test_proj_size_exports_as_a_loop(tmp_path):
-    class Proj(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.rnn = nn.LSTM(5, 8, num_layers=2, bidirectional=True, proj_size=3, batch_first=True)
-
-        def forward(self, x):
-            return self.rnn(x)[0]
-
-    model = Proj()
-    quantize_model(model)
-    model.eval()
-    with torch.no_grad():
-        calibrate_model(model, [torch.randn(4, 9, 5) for _ in range(2)], method="max")
+    model = _calibrated_proj(num_layers=2, bidirectional=True)
     res = export_onnx(model, torch.randn(2, 6, 5), tmp_path / "proj.onnx", dynamic_dims=(1,))
     assert res.max_abs_diff <= res.tolerance
     x = torch.randn(3, 10, 5)

@@ -213,9 +213,9 @@ def export_onnx(
     except Exception as e:
         raise ExportError(f"torch.onnx export ({exporter}) failed: {type(e).__name__}: {_short(e)}") from e
 
-    proto = _loops.lower_recurrent(proto)  # recurrent placeholders -> Scan (bodies still hold lq placeholders)
     timed = verify and check_fusion and target == "onnxruntime"
-    twin = _float_twin.float_twin(proto) if timed else None
+    twin = _float_twin.float_twin(proto) if timed else None  # recurrent layers as ONNX LSTM, as in an FP32 export
+    proto = _loops.lower_recurrent(proto)  # recurrent placeholders -> Scan (bodies still hold lq placeholders)
 
     # --- graph rewrites
     infos: list[QuantNodeInfo] = []
@@ -361,6 +361,10 @@ def export_onnx(
     if check_fusion and target == "onnxruntime" and ort_ops:
         n_float = sum(ort_ops.get(k, 0) for k in ("Conv", "FusedConv", "Gemm", "MatMul", "FusedGemm", "FusedMatMul"))
         n_chosen = len({k.layer for k in kernels if k.by_choice})  # float by choice: faster, and said so per layer
+        if kernels:  # what onnxruntime really runs, not the prediction from the file (it fuses a Gemm/MatMul
+            # whose float output an Add or GELU reads: QGemm, MatMulIntegerToFloat)
+            unfused = list(dict.fromkeys(f"{k.layer}: {k.reason}" for k in kernels if k.op in _kernel_report.COMPUTE
+                                         and not k.integer and not k.by_choice))
         if unfused:
             notes.append(f"onnxruntime runs {len(unfused)} quantized conv/gemm/matmul in float: {'; '.join(unfused)}")
         elif n_float > n_chosen:
@@ -386,12 +390,15 @@ def _speed_note(int8_model: bytes, twin, inputs, providers, kernels: list[LayerK
         return None
     if ratio < 1.0:
         floats = [f"{k.layer} ({k.kernel}: {k.reason})" for k in kernels if not k.integer]
+        loops = sum(n.op_type == "LSTM" for n in twin.graph.node)
         notes.append(
             f"the INT8 file runs at {ratio:.2f}x the speed of FP32 in onnxruntime on the sample (1 thread, "
             f"{int8_ms:.3g} ms vs {fp32_ms:.3g} ms): "
             + (f"{len(floats)} quantized layer(s) run in float between Q/DQ: " + "; ".join(floats) if floats else
                "every quantized layer runs an integer kernel; the Q/DQ conversions cost more than they save "
-               "at this size"))
+               "at this size")
+            + (f"; its {loops} recurrent layer(s) run as loops of small ops per time step (the step quantizes "
+               "h), the FP32 file's as onnxruntime's fused float LSTM kernel" if loops else ""))
     return ratio
 
 

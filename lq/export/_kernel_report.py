@@ -29,7 +29,7 @@ ON_THE_MEAN = ("float by choice: a 1x1 conv whose output was averaged now runs o
 CHOSEN = (BY_CHOICE, ON_THE_MEAN)
 
 #: exported ops a layer's kernel is reported for (the compute ops and the quantized joins/pools)
-_COMPUTE = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+COMPUTE = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 _JOINS = ("Add", "Mul", "Concat", "AveragePool", "GlobalAveragePool")
 #: activations lq.glue gives no output quantizer in front of (see FLOAT_READER_MODULES in lq.glue._rules)
 _SLOPED = ("PRelu", "LeakyRelu")
@@ -65,7 +65,7 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: 
         return BY_CHOICE
     if n.op_type == "Conv" and prod.get(n.input[0]) is not None and MEAN_FIRST in prod[n.input[0]].name:
         return ON_THE_MEAN
-    data_inputs = n.input[:2] if n.op_type in _COMPUTE else [i for i in n.input if i and not g.is_const(i)]
+    data_inputs = n.input[:2] if n.op_type in COMPUTE else [i for i in n.input if i and not g.is_const(i)]
     data_inputs = [i for i in data_inputs if not _float_weights(i)]  # dequantized by the export: quantized
     if any(prod.get(i) is None or prod[i].op_type != "DequantizeLinear" for i in data_inputs):
         return "input or weight is not quantized"
@@ -86,7 +86,7 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: 
         # a max pool the export moved above an activation (_pool_first): name the activation behind it too
         behind = [f"{(layer_of or {}).get(v.name) or v.op_type} ({v.op_type})" for u in floats if u.op_type == "MaxPool"
                   for v in cons.get(u.output[0], []) if v.op_type != "QuantizeLinear"]
-        what = "a conv/gemm" if n.op_type in _COMPUTE else n.op_type
+        what = "a conv/gemm" if n.op_type in COMPUTE else n.op_type
         if any(u.op_type == "Add" for u in floats):
             hint = "quantize the add's inputs, e.g. lq.nn.QuantAdd for a residual add"
         elif floats and all(u.op_type in _SLOPED for u in floats):
@@ -111,7 +111,7 @@ def unfused_layers(model: onnx.ModelProto, layer_of: dict[str, str]) -> list[str
     for g in _graphs(model):
         prod, cons = g.producers(), g.consumers()
         for n in g.nodes:
-            if n.op_type in _COMPUTE:
+            if n.op_type in COMPUTE:
                 why = float_reason(n, g, prod, cons, layer_of)
                 if why and why not in CHOSEN:
                     out.append(f"{layer_of.get(n.name) or n.name}: {why}")
@@ -180,7 +180,7 @@ def _kernels(g: Graph, optimized: onnx.GraphProto, model: onnx.ModelProto, layer
                 twin = next((b.g for b in opt_loop.attribute if b.name == a.name and b.type == a.type), None)
                 if twin is not None:
                     out.extend(_kernels(Graph(as_model(a.g, model)), twin, model, layer_of))
-        if n.op_type not in _COMPUTE + _JOINS or not _quantized(n, prod) or MEAN_FIRST in n.name:
+        if n.op_type not in COMPUTE + _JOINS or not _quantized(n, prod) or MEAN_FIRST in n.name:
             continue  # (a mean the export moved in front of a 1x1 conv: the model's float mean, not a layer)
         kernel = _runs_as(n, opt_by_name, opt_cons, prod)
         reason = None
