@@ -190,8 +190,9 @@ def test_the_steps_matmuls_run_on_integer_kernels_inside_the_loop(tmp_path):
     model = _quantized(Seq(True), True)
     res = export_onnx(model, torch.randn(2, 6, 5), tmp_path / "lstm.onnx", dynamic_dims=(1,))
     rnn = [k for k in res.layer_kernels if k.layer == "rnn"]
-    # per layer and direction: the input projection of all steps (outside) and the recurrent Gemm (in the body)
-    assert sorted(k.op for k in rnn) == ["Gemm"] * 4 + ["MatMul"] * 4
+    # per layer and direction: the input projection of all steps (outside; with its bias a Gemm on the flattened
+    # steps, lq.export._linear_gemm) and the recurrent Gemm (in the body)
+    assert sorted(k.op for k in rnn) == ["Gemm"] * 8
     assert all(k.integer for k in rnn), [k.text() for k in rnn]
     assert res.ort_ops["QGemm"] >= 4  # counted inside the loop bodies too
     assert res.speedup is not None  # the FP32 twin (placeholders in the bodies made Identity) runs

@@ -16,8 +16,8 @@ import onnx
 import torch
 
 from lq.export import (_channel_affine, _finish, _float_convs, _float_twin, _fold_bn, _fold_constants, _gelu_order,
-                       _int16, _kernel_report, _loop_ops, _loops, _lower, _mean_first, _model_checks, _placement,
-                       _pool_first,
+                       _int16, _kernel_report, _linear_gemm, _loop_ops, _loops, _lower, _mean_first, _model_checks,
+                       _placement, _pool_first,
                        _symbolic, _timing, _torch_onnx, _upsample, _verify)
 from lq.export._fold_bn import FoldRecord
 from lq.export._ir import ExportError, Graph, QuantNodeInfo, all_nodes, layer_name
@@ -241,6 +241,7 @@ def export_onnx(
             _placement.hoist_quantizers(g)
             _placement.clips_on_integers(g)
             _float_convs.float_weights_for_float_convs(g)
+            _linear_gemm.linears_as_gemm(g)
             _placement.quantize_bias(g)
         _placement.dedupe_quantizers(g)
         if target == "onnxruntime":

@@ -33,6 +33,7 @@ RULES: dict[str, OpRule] = {
     "Conv":               OpRule(False, True,  "QLinearConv",                "int8 convolution"),
     "ConvTranspose":      OpRule(False, True,  None,                         "int8 deconvolution"),
     "Gemm":               OpRule(False, True,  "QGemm",                      "int8 GEMM"),
+    # onnxruntime: a MatMul whose bias Add follows (a Linear on 3-D input) is written as Gemm (_linear_gemm.py)
     "MatMul":             OpRule(False, True,  "QLinearMatMul / MatMulIntegerToFloat", "int8 GEMM"),
     "Add":                OpRule(False, True,  "QLinearAdd",                 "fused into the producer"),
     "Concat":             OpRule(False, True,  "QLinearConcat",              "int8 concat"),
