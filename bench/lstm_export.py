@@ -113,7 +113,7 @@ def run(label: str, model: nn.Module, dims: tuple, d: str, fast: bool, unrolled:
     paths = {FP32: os.path.join(d, "fp32.onnx")}
     row: dict = {"model": label, "lq": {}}
     for name, rr in ((LQ_DEFAULT, False), (LQ_REDUCE, True)):
-        q = lq_ptq(model, calib, rr)
+        q = lq_ptq(model, calib, rr, method="max")  # as documented above (auto would search per layer)
         paths[name] = p = os.path.join(d, f"lq_{int(rr)}.onnx")
         t = time.perf_counter()
         res = export_onnx(q, sample, p, dynamic_dims=dims)

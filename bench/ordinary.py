@@ -269,10 +269,11 @@ def ort_accuracy(path: str, x, y) -> float:
 
 
 # =========================================================================== one model
-def lq_ptq(model: nn.Module, batches, reduce_range: bool) -> nn.Module:
+def lq_ptq(model: nn.Module, batches, reduce_range: bool, method: str | None = None) -> nn.Module:
     """lq's path as a user calls it, on a copy of ``model``: :func:`bench.onnx_export.quantize_and_calibrate` with
-    lq's default calibration (``auto``; max calibration left the P-Net 0.83 point under FP32, auto 0.28)."""
-    return quantize_and_calibrate(copy.deepcopy(model), batches, reduce_range=reduce_range, method=None)
+    lq's default calibration (``method=None``: ``auto``; max calibration left the P-Net 0.83 point under FP32,
+    auto 0.28), or the activation ``method`` given."""
+    return quantize_and_calibrate(copy.deepcopy(model), batches, reduce_range=reduce_range, method=method)
 
 
 def export_fp32(model: nn.Module, path: str, sample) -> None:
