@@ -17,8 +17,7 @@ import torch
 
 from lq.export import (_channel_affine, _finish, _float_convs, _float_twin, _fold_bn, _fold_constants, _gelu_order,
                        _int16, _kernel_report, _linear_gemm, _loop_ops, _loops, _lower, _mean_first, _model_checks,
-                       _placement, _pool_first,
-                       _symbolic, _timing, _torch_onnx, _upsample, _verify)
+                       _placement, _pool_first, _symbolic, _timing, _torch_onnx, _upsample, _verify)
 from lq.export._fold_bn import FoldRecord
 from lq.export._ir import ExportError, Graph, QuantNodeInfo, all_nodes, layer_name
 from lq.export._kernel_report import LayerKernel
