@@ -39,15 +39,16 @@ def assert_file_matches_pytorch(model: torch.nn.Module, res, x: torch.Tensor) ->
 LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_ALL")
 
 
-def run_graph(model: onnx.ModelProto, x: np.ndarray, level: str) -> list[np.ndarray]:
-    """Every output of a one-input (``x``) graph in onnxruntime at optimization ``level`` (a LEVELS name)."""
+def run_graph(model: onnx.ModelProto, x, level: str) -> list[np.ndarray]:
+    """Every output of a graph in onnxruntime at optimization ``level`` (a LEVELS name); ``x``: the array of its
+    one input named ``x``, or the feeds by input name."""
     import onnxruntime as ort
 
     from lq.export._verify import make_session
 
     sess = make_session(model.SerializeToString(), ["CPUExecutionProvider"],
                         graph_optimization_level=getattr(ort.GraphOptimizationLevel, level))
-    return sess.run(None, {"x": x})
+    return sess.run(None, x if isinstance(x, dict) else {"x": x})
 
 
 def rewritten(model: onnx.ModelProto, graph_pass, *args) -> tuple[int, onnx.ModelProto]:

@@ -19,7 +19,7 @@ from torch import nn
 
 from lq.export._linear_gemm import linears_as_gemm
 
-from _export_checks import LEVELS, assert_file_matches_pytorch, quantize_calibrate_export, rewritten
+from _export_checks import LEVELS, assert_file_matches_pytorch, quantize_calibrate_export, rewritten, run_graph
 
 ort = pytest.importorskip("onnxruntime")
 torch.set_flush_denormal(True)
@@ -66,14 +66,6 @@ def _feeds(model: onnx.ModelProto) -> dict:
             for i in model.graph.input}
 
 
-def _run(model, feeds, level):
-    from lq.export._verify import make_session
-
-    sess = make_session(model.SerializeToString(), ["CPUExecutionProvider"],
-                        graph_optimization_level=getattr(ort.GraphOptimizationLevel, level))
-    return sess.run(None, feeds)
-
-
 @pytest.mark.parametrize("kw", [dict(), dict(lead=(2, 3, 5)), dict(readers=3), dict(bias_shape=(1, 1, N))],
                          ids=["3d", "4d", "three-linears-one-input", "bias-1-1-n"])
 def test_linear_becomes_gemm_with_the_same_numbers(kw):
@@ -87,7 +79,7 @@ def test_linear_becomes_gemm_with_the_same_numbers(kw):
     assert len([n for n in new.graph.node if n.op_type == "Reshape" and n.input[0] == "xq"]) == 1  # the integers
     feeds = _feeds(model)
     for level in LEVELS:
-        want, got = _run(model, feeds, level), _run(new, feeds, level)
+        want, got = run_graph(model, feeds, level), run_graph(new, feeds, level)
         for w, g_ in zip(want, got):
             assert g_.shape == w.shape
             np.testing.assert_allclose(g_, w, rtol=1e-5, atol=1e-5)

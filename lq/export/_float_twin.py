@@ -65,7 +65,7 @@ def recurrent_as_lstm(g: Graph) -> int:
     """Every ``LSTMScan`` placeholder whose input projection is ``MatMul(x, W^T) [+ b_ih]`` -> one float ONNX
     ``LSTM`` reading ``x`` (the projection, the step's quantizer and the weights' placeholders go); returns how
     many."""
-    prod, done, gone = g.producers(), 0, set()
+    prod, done = g.producers(), 0
     for n in [m for m in g.nodes if m.domain == DOMAIN and m.op_type == LSTM_SCAN]:
         ins = list(n.input) + [""] * (7 - len(n.input))
         xw, h0, c0, _, w_hh, b_hh, w_hr = ins[:7]
@@ -102,11 +102,9 @@ def recurrent_as_lstm(g: Graph) -> int:
                 node("Squeeze", [full, axis], [out])
         k = g.nodes.index(n)
         g.nodes[k:k + 1] = new
-        gone.add(id(prod[xw]))
         done += 1
-    if done:
-        drop_unread(g, lambda m: m.domain == DOMAIN or m.op_type in ("MatMul", "Add", "Transpose", "Identity")
-                    or id(m) in gone)
+    if done:  # the projections, the steps' quantizers and the weights' placeholders: nothing reads them now
+        drop_unread(g, lambda m: True)
     return done
 
 

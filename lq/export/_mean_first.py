@@ -17,6 +17,7 @@ the kernel report can say why the conv is float (:mod:`lq.export._kernel_report`
 from __future__ import annotations
 
 from lq.export._ir import Graph, attr
+from lq.export._placement import spatial_mean
 
 #: the name of a pool this pass moved in front of a 1x1 conv (the kernel report looks for it)
 MEAN_FIRST = "mean_first"
@@ -32,7 +33,7 @@ def mean_before_pointwise_convs(g: Graph) -> int:
                 or len(cons.get(conv.output[0], [])) != 1:
             continue
         rank = _conv_rank(g, conv, prod)
-        if rank is None or not _pointwise(conv, rank) or not _spatial_mean(g, mean, rank):
+        if rank is None or not _pointwise(conv, rank) or not spatial_mean(g, mean, rank):
             continue
         pooled = g.fresh(f"{conv.input[0]}_{MEAN_FIRST}")
         pool = g.make_node("GlobalAveragePool", [conv.input[0]], [pooled], hint=MEAN_FIRST, like=mean)
@@ -70,15 +71,4 @@ def _pointwise(conv, rank: int) -> bool:
     return ((ks is None or list(ks) == [1] * spatial)
             and list(attr(conv, "strides", [1] * spatial)) == [1] * spatial
             and not any(attr(conv, "pads", [0] * 2 * spatial))
-            and attr(conv, "auto_pad", b"NOTSET") in (b"NOTSET", b"VALID", "NOTSET", "VALID"))
-
-
-def _spatial_mean(g: Graph, mean, rank: int) -> bool:
-    """A GlobalAveragePool, or a ReduceMean over exactly axes 2 .. rank-1 (attribute or constant input)."""
-    if mean.op_type == "GlobalAveragePool":
-        return True
-    axes = attr(mean, "axes")
-    if axes is None and len(mean.input) > 1 and mean.input[1]:
-        a = g.const(mean.input[1])
-        axes = None if a is None else a.tolist()
-    return axes is not None and sorted(a % rank for a in axes) == list(range(2, rank))
+            and attr(conv, "auto_pad", b"NOTSET") in (b"NOTSET", b"VALID"))

@@ -267,6 +267,20 @@ def quantize_bias(g: Graph) -> int:
     return done
 
 
+def spatial_mean(g: Graph, mean, rank: int) -> bool:
+    """``mean`` averages a rank-``rank`` tensor over all its spatial axes (2 .. rank-1): a GlobalAveragePool, or a
+    ReduceMean with exactly those axes (an attribute, or a constant input from opset 18 on)."""
+    if mean.op_type == "GlobalAveragePool":
+        return True
+    if mean.op_type != "ReduceMean":
+        return False
+    axes = attr(mean, "axes")
+    if axes is None and len(mean.input) > 1 and mean.input[1]:
+        a = g.const(mean.input[1])
+        axes = None if a is None else a.tolist()
+    return axes is not None and sorted(a % rank for a in axes) == list(range(2, rank))
+
+
 def global_pools(g: Graph, ranks: dict[str, int]) -> int:
     """``ReduceMean`` over all spatial axes with keepdims -> ``GlobalAveragePool`` (quantized pooling in ORT)."""
     done = 0
@@ -274,15 +288,7 @@ def global_pools(g: Graph, ranks: dict[str, int]) -> int:
         if n.op_type != "ReduceMean" or not attr(n, "keepdims", 1):
             continue
         r = ranks.get(n.input[0], -1)
-        if r < 3:
-            continue
-        axes = attr(n, "axes")
-        if axes is None and len(n.input) > 1 and n.input[1]:
-            a = g.const(n.input[1])
-            axes = None if a is None else a.tolist()
-        if axes is None:
-            continue
-        if sorted(a % r for a in axes) != list(range(2, r)):
+        if r < 3 or not spatial_mean(g, n, r):
             continue
         g.nodes[k] = g.make_node("GlobalAveragePool", [n.input[0]], list(n.output), hint="GlobalAveragePool", like=n)
         done += 1
