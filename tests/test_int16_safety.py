@@ -20,18 +20,11 @@ from torch import nn
 from lq.export import export_onnx
 from lq.export._int16 import INT16_MAX, int16_risks, worst_pair_per_channel
 
+from _avx2 import pmaddubsw_dot
+from _models import DigitsTransformer
+
 ort = pytest.importorskip("onnxruntime")
 torch.set_flush_denormal(True)
-
-
-def _pmaddubsw_dot(a_u8: np.ndarray, w_s8: np.ndarray) -> int:
-    """x86 ``vpmaddubsw`` then ``vpmaddwd`` along K: adjacent pairs saturate to int16, the rest is int32."""
-    a = a_u8.astype(np.int64)
-    w = w_s8.astype(np.int64)
-    if a.size % 2:
-        a, w = np.append(a, 0), np.append(w, 0)
-    pairs = a[0::2] * w[0::2] + a[1::2] * w[1::2]
-    return int(np.clip(pairs, -32768, 32767).sum())
 
 
 def test_worst_pair_is_the_two_largest_magnitudes_brute_force():
@@ -57,13 +50,13 @@ def test_check_is_sound_against_an_emulation_of_the_instruction():
                 a = np.where(np.sign(wp) == sign, 255, 0).astype(np.uint8)
                 exact = int((a.astype(np.int64) * wp).sum())
                 if safe:
-                    assert _pmaddubsw_dot(a, wp) == exact
+                    assert pmaddubsw_dot(a, wp) == exact
         if not safe:
             # the two largest magnitudes, of one sign, side by side: the kernel saturates
             i, j = np.argsort(-np.abs(w.astype(np.int32)))[:2]
             pair = np.array([abs(int(w[i])), abs(int(w[j]))], dtype=np.int8)
             a = np.array([255, 255], dtype=np.uint8)
-            assert _pmaddubsw_dot(a, pair) != int((a.astype(np.int64) * pair).sum())
+            assert pmaddubsw_dot(a, pair) != int((a.astype(np.int64) * pair).sum())
 
 
 def _gemm_file(w_q: np.ndarray, w_dtype=TensorProto.INT8, zp=0) -> onnx.ModelProto:
@@ -176,25 +169,6 @@ def test_smallest_mlp_exports_right_with_fusions_on(tmp_path):
     assert res.max_abs_diff <= res.tolerance
 
 
-class _DigitsTransformer(nn.Module):
-    """The rows of a digits image as 8 tokens: embedding, nn.MultiheadAttention, LayerNorm, GELU MLP."""
-
-    def __init__(self, d: int = 32):
-        super().__init__()
-        self.emb = nn.Linear(8, d)
-        self.attn = nn.MultiheadAttention(d, 4, batch_first=True)
-        self.ln = nn.LayerNorm(d)
-        self.ff = nn.Sequential(nn.Linear(d, 64), nn.GELU(), nn.Linear(64, d))
-        self.head = nn.Linear(d, 10)
-
-    def forward(self, x):
-        h = self.emb(x)
-        a, _ = self.attn(h, h, h, need_weights=False)
-        h = self.ln(h + a)
-        h = h + self.ff(h)
-        return self.head(h.mean(1))
-
-
 @pytest.fixture(scope="module")
 def digits_transformer():
     from sklearn.datasets import load_digits
@@ -203,7 +177,7 @@ def digits_transformer():
     x = torch.tensor(d.images / 16.0, dtype=torch.float32)
     y = torch.tensor(d.target)
     torch.manual_seed(0)
-    model = _DigitsTransformer()
+    model = DigitsTransformer()
     opt = torch.optim.Adam(model.parameters(), 1e-2)
     for _ in range(40):
         opt.zero_grad()

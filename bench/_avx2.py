@@ -1,0 +1,93 @@
+"""onnxruntime on an AVX2-only CPU, from any x86 machine: this Python under ``qemu-x86_64 -cpu Haswell-noTSX``.
+
+onnxruntime picks its u8 x s8 kernels by CPUID. With VNNI the products accumulate in int32; with AVX2 alone,
+``vpmaddubsw`` first adds each pair of adjacent products in a saturating int16, so a file can compute other
+numbers there. qemu's user-mode emulator answers CPUID as a Haswell (AVX2 and FMA, no AVX-512, no VNNI), and
+onnxruntime inside it runs its AVX2 kernels: what an AVX2-only machine computes, slowly (its times mean
+nothing), on a machine of either kind. Used by ``bench.ordinary`` (accuracy on AVX2) and the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+#: qemu's model of an AVX2 CPU without AVX-512 or VNNI (plain "Haswell" asks for TSX, which qemu cannot emulate)
+CPU = "Haswell-noTSX"
+#: set in the emulated process (a test there must not start another emulator)
+EMULATED_ENV = "LQ_EMULATED_CPU"
+
+
+def qemu() -> str | None:
+    """qemu's x86-64 user-mode emulator, where this is an x86-64 machine that has it."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    return shutil.which("qemu-x86_64")
+
+
+def emulated() -> bool:
+    """Whether this process already runs inside the emulator."""
+    return bool(os.environ.get(EMULATED_ENV))
+
+
+def available() -> bool:
+    return qemu() is not None and not emulated()
+
+
+def run_on_avx2(code: str, timeout: float = 1800) -> str:
+    """Run Python ``code`` on the emulated AVX2 CPU with this interpreter and import path; its stdout."""
+    prelude = f"import sys; sys.path[:0] = {[p for p in sys.path if p]!r}\n"
+    # torch's oneDNN (if the code imports torch) at SSE4.1: its AVX2 JIT code miscomputes under qemu 7.2
+    env = dict(os.environ, **{EMULATED_ENV: CPU}, OMP_NUM_THREADS="1", ONEDNN_MAX_CPU_ISA="SSE41")
+    proc = subprocess.run([qemu(), "-cpu", CPU, sys.executable, "-c", prelude + code], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    if proc.returncode:
+        tail = "\n".join(line for line in proc.stderr.splitlines() if "TCG doesn't support" not in line)[-3000:]
+        raise RuntimeError(f"the emulated AVX2 run failed (exit {proc.returncode}):\n{tail}")
+    return proc.stdout
+
+
+_RUN_FILES = """
+import json, numpy as np, onnxruntime as ort
+for c in json.load(open({spec!r})):
+    so = ort.SessionOptions(); so.intra_op_num_threads = 1; so.log_severity_level = 3
+    s = ort.InferenceSession(c["file"], so, providers=["CPUExecutionProvider"])
+    np.save(c["out"], s.run(None, {{k: np.load(f) for k, f in c["feeds"].items()}})[0])
+print("ran", len(json.load(open({spec!r}))))
+"""
+
+
+def first_outputs_on_avx2(cases: list[tuple[str, dict | list]]) -> list[np.ndarray]:
+    """onnxruntime's first output (all optimizations on, one thread) for each ``(file, feeds)`` (by input name,
+    or a list in the graph's input order), computed on the emulated AVX2 CPU in one process."""
+    with tempfile.TemporaryDirectory() as d:
+        spec = []
+        for k, (path, feeds) in enumerate(cases):
+            if not isinstance(feeds, dict):
+                feeds = dict(zip(_input_names(path), feeds))
+            names = {}
+            for j, (name, a) in enumerate(feeds.items()):
+                names[name] = os.path.join(d, f"in{k}_{j}.npy")
+                np.save(names[name], np.ascontiguousarray(a))
+            spec.append({"file": os.path.abspath(path), "feeds": names, "out": os.path.join(d, f"out{k}.npy")})
+        with open(os.path.join(d, "spec.json"), "w") as f:
+            json.dump(spec, f)
+        out = run_on_avx2(_RUN_FILES.format(spec=os.path.join(d, "spec.json"))).strip()
+        if out != f"ran {len(cases)}":
+            raise RuntimeError(f"the emulated AVX2 run printed {out!r}")
+        return [np.load(s["out"]) for s in spec]
+
+
+def _input_names(path: str) -> list[str]:
+    import onnx
+
+    g = onnx.load(path, load_external_data=False).graph
+    inits = {i.name for i in g.initializer}
+    return [i.name for i in g.input if i.name not in inits]

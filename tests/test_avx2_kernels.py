@@ -1,0 +1,149 @@
+"""What lq exports computes the same on an AVX2-only CPU: onnxruntime's AVX2 kernels, run in qemu's Haswell.
+
+The int16 check (test_int16_safety.py) proves from the file's integers that no u8 x s8 pair sum can saturate;
+these tests run the kernels themselves. First, that the emulated CPU really runs the saturating AVX2 kernel (a
+full-range int8 encoding gives other numbers there than the exact product, as the instruction model says);
+then that the files lq writes for real models give, on it, what PyTorch's fake-quant model gives, within the
+export's own tolerance. Whichever CPU runs the suite (VNNI or not), the second CPU is then covered too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from lq.calibration import calibrate_model
+from lq.callbacks import QuantSwap
+from lq.config import Int8ReduceRangeConfig, QuantConfig
+from lq.export import export_onnx
+
+from bench._avx2 import CPU, available, first_outputs_on_avx2
+
+from _avx2 import pmaddubsw_dot
+from _models import BNBlock, DigitsTransformer
+
+pytest.importorskip("onnxruntime")
+pytestmark = pytest.mark.skipif(not available(), reason="needs an x86 machine with qemu-x86_64 "
+                                "(apt-get install qemu-user), outside the emulator")
+torch.set_flush_denormal(True)
+
+def _full_range_matmul_files(tmp_path) -> tuple[list, np.ndarray, np.ndarray]:
+    """Two files with int8 weights of 127 and uint8 activations of 255 (every adjacent pair sums to 64770):
+    a bare MatMulInteger, and the Q/DQ form onnxruntime fuses into its integer GEMM."""
+    k, n = 64, 8
+    w = np.full((k, n), 127, np.int8)
+    w[:, 1] = 40  # a column whose pairs stay below 32767: exact on both kinds of CPU
+    a = np.full((4, k), 255, np.uint8)
+    mm = helper.make_graph([helper.make_node("MatMulInteger", ["a", "w"], ["y"])], "mm",
+                           [helper.make_tensor_value_info("a", TensorProto.UINT8, [None, k])],
+                           [helper.make_tensor_value_info("y", TensorProto.INT32, None)],
+                           [numpy_helper.from_array(w, "w")])
+    # x = 2.55 quantizes to 255 (scale 0.01, zero point 0); the weights dequantize to w * 0.001
+    qdq = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+         helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+         helper.make_node("DequantizeLinear", ["w", "ws"], ["wd"]),
+         helper.make_node("MatMul", ["xd", "wd"], ["y"])], "qdq",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(0.001, np.float32), "ws"),
+         numpy_helper.from_array(np.array(0.01, np.float32), "s"), numpy_helper.from_array(np.array(0, np.uint8), "z")])
+    cases = []
+    for name, g, x in (("mm", mm, a), ("qdq", qdq, np.full((4, k), 2.55, np.float32))):
+        path = str(tmp_path / f"{name}.onnx")
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+        cases.append((path, {g.input[0].name: x}))
+    return cases, a, w
+
+
+def test_the_emulated_cpu_runs_the_saturating_avx2_kernel(tmp_path):
+    cases, a, w = _full_range_matmul_files(tmp_path)
+    got_int, got_float = first_outputs_on_avx2(cases)
+    exact = a.astype(np.int64) @ w.astype(np.int64)
+    saturated = np.array([[pmaddubsw_dot(r, w[:, j]) for j in range(w.shape[1])] for r in a])
+    assert saturated[0, 0] == 32 * 32767 != exact[0, 0] == 64 * 255 * 127
+    np.testing.assert_array_equal(got_int, saturated)  # what vpmaddubsw computes, not the exact product
+    assert (got_int[:, 1] == exact[:, 1]).all()
+    # the Q/DQ file runs the same integer kernel: 10.5 where its Q/DQ semantics say 20.7
+    np.testing.assert_allclose(got_float, saturated * 0.01 * 0.001, rtol=1e-5)
+    assert np.abs(got_float[:, 0] - exact[:, 0] * 1e-5).min() > 1.0
+
+
+# ---------------------------------------------------------------------------------------- real models
+def _digits():
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    return torch.tensor(d.images / 16.0, dtype=torch.float32)
+
+
+def _resnet() -> nn.Module:
+    """A small BatchNorm ResNet with plain ``+`` residuals (glue-quantized adds) on 1x8x8 digits."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), BNBlock(16), BNBlock(16),
+                         nn.Conv2d(16, 32, 3, padding=1, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(32, 10))
+
+
+class _RowLSTM(nn.Module):
+    """The 8 rows of a digit as time steps of a 2-layer nn.LSTM, the last step classified."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.LSTM(8, 24, num_layers=2, batch_first=True)
+        self.head = nn.Linear(24, 10)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def _calibrated(model: nn.Module, recipe: QuantConfig, batches: list) -> nn.Module:
+    QuantSwap(recipe).swap(model)
+    model.eval()
+    with torch.no_grad():
+        calibrate_model(model, batches, method="max")
+    return model
+
+
+@pytest.mark.parametrize("recipe", [QuantConfig, Int8ReduceRangeConfig], ids=["8bit", "int8_reduce_range"])
+def test_lq_exports_give_pytorchs_numbers_on_avx2(tmp_path, recipe):
+    images = _digits()
+    models = {"resnet": (_resnet(), images.unsqueeze(1)), "mha_transformer": (DigitsTransformer(), images),
+              "lstm": (_RowLSTM(), images)}
+    cases, wants, tols = [], [], []
+    for name, (model, x) in models.items():
+        model = _calibrated(model, recipe(), [x[i:i + 64] for i in range(0, 512, 64)])
+        res = export_onnx(model, x[:32], str(tmp_path / f"{name}.onnx"))
+        assert res.max_abs_diff <= res.tolerance  # on this CPU
+        test = x[1400:1464]
+        with torch.no_grad():
+            wants.append(model(test).numpy())
+        tols.append(res.tolerance)
+        cases.append((res.path, {res.input_names[0]: test.numpy()}))
+    got = first_outputs_on_avx2(cases)
+    for name, g, want, tol in zip(models, got, wants, tols):
+        err = float(np.abs(g - want).max())
+        assert err <= tol, f"{name} on {CPU}: {err:.3g} from PyTorch (tolerance {tol:.3g})"
+
+
+def test_make_test_avx2_runs_a_test_file_in_the_emulator():
+    """The README's ``make test-avx2`` is ``.ci/avx2``: here on one small test file (the reference kernels,
+    so nothing is compiled)."""
+    root = Path(__file__).resolve().parents[1]
+    assert "make test-avx2" in (root / "README.md").read_text()
+    assert ".ci/avx2" in (root / "Makefile").read_text().split("test-avx2: setup", 1)[1].split("\n\n", 1)[0]
+    env = dict(os.environ, LQ_DISABLE_EXT="1", PYTHON=sys.executable)
+    out = subprocess.run([str(root / ".ci" / "avx2"), "tests/test_export_linear_gemm.py", "-k", "bias-1-1-n"],
+                         cwd=root, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "1 passed" in out.stdout and "TCG" not in out.stderr
