@@ -22,8 +22,8 @@ $(STAMPS)/dev: $(STAMPS)/train
 	@# qemu-x86_64 lets the tests run onnxruntime's AVX2 kernels on any x86 CPU (tests/test_avx2_kernels.py,
 	@# make test-avx2): installed where apt-get runs as root, otherwise said (those tests are then skipped)
 	@command -v qemu-x86_64 >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	  DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user >/dev/null; } || \
+	  DEBIAN_FRONTEND=noninteractive timeout 300 apt-get update -qq >/dev/null && \
+	  DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq qemu-user >/dev/null; } || \
 	  echo "lq: qemu-x86_64 is not installed (apt-get install qemu-user): the AVX2 kernel tests will be skipped"
 	@touch $@
 
