@@ -64,14 +64,27 @@ print("ran", len(json.load(open({spec!r}))))
 """
 
 
+def first_outputs_here(cases: list[tuple[str, dict | list]]) -> list[np.ndarray]:
+    """What :func:`first_outputs_on_avx2` computes, on this CPU (the same session options)."""
+    import onnxruntime as ort
+
+    outs = []
+    for path, feeds in cases:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 1
+        so.log_severity_level = 3
+        sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        outs.append(sess.run(None, _by_name(path, feeds))[0])
+    return outs
+
+
 def first_outputs_on_avx2(cases: list[tuple[str, dict | list]]) -> list[np.ndarray]:
     """onnxruntime's first output (all optimizations on, one thread) for each ``(file, feeds)`` (by input name,
     or a list in the graph's input order), computed on the emulated AVX2 CPU in one process."""
     with tempfile.TemporaryDirectory() as d:
         spec = []
         for k, (path, feeds) in enumerate(cases):
-            if not isinstance(feeds, dict):
-                feeds = dict(zip(_input_names(path), feeds))
+            feeds = _by_name(path, feeds)
             names = {}
             for j, (name, a) in enumerate(feeds.items()):
                 names[name] = os.path.join(d, f"in{k}_{j}.npy")
@@ -85,9 +98,12 @@ def first_outputs_on_avx2(cases: list[tuple[str, dict | list]]) -> list[np.ndarr
         return [np.load(s["out"]) for s in spec]
 
 
-def _input_names(path: str) -> list[str]:
+def _by_name(path: str, feeds: dict | list) -> dict:
+    """``feeds`` by input name (a list is in the graph's input order)."""
+    if isinstance(feeds, dict):
+        return feeds
     import onnx
 
     g = onnx.load(path, load_external_data=False).graph
     inits = {i.name for i in g.initializer}
-    return [i.name for i in g.input if i.name not in inits]
+    return dict(zip([i.name for i in g.input if i.name not in inits], feeds))

@@ -50,6 +50,8 @@ torch.set_flush_denormal(True)
 LQ_DEFAULT = "lq INT8 (8-bit weights)"
 LQ_REDUCE = "lq INT8 (int8_reduce_range)"
 ORT_QS = "ORT quantize_static u8s8"
+#: ``--fast``: the digits images (MiniLM: an eighth as many sentences) each file also runs on the emulated AVX2 CPU
+AVX2_FAST_INPUTS = 64
 
 
 # =========================================================================== the models, written as people do
@@ -318,23 +320,30 @@ def run_model(label: str, ctor, shape, epochs: int, fast: bool, d: str, log) -> 
         row["acc"][ORT_QS] = ort_accuracy(paths[ORT_QS], xte, yte)
     except Exception as e:
         row["notes"].append(f"{ORT_QS} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-    _on_avx2(row, paths, [xte.numpy()], lambda logits: 100.0 * float((logits.argmax(1) == yte.numpy()).mean()))
+    n = AVX2_FAST_INPUTS if fast else len(xte)
+    _on_avx2(row, paths, [xte[:n].numpy()], lambda logits: 100.0 * float((logits.argmax(1) == yte[:n].numpy()).mean()))
     _time(row, paths, np.ascontiguousarray(xte[:32].numpy()), fast, log)
     return row
 
 
 def _on_avx2(row: dict, paths: dict, feeds, quality) -> None:
-    """``quality(first output)`` of every INT8 file of the row on an emulated AVX2-only CPU (qemu's Haswell: no
-    AVX-512, no VNNI; :mod:`bench._avx2`) in ``row["acc_avx2"]``: onnxruntime's AVX2 integer kernels saturate
-    where VNNI does not, so a file's accuracy can differ there. A note instead where qemu is not installed."""
+    """``quality(first output)`` of every INT8 file of the row on this CPU and on an emulated AVX2-only CPU
+    (qemu's Haswell: no AVX-512, no VNNI; :mod:`bench._avx2`), for the same ``feeds``, in
+    ``row["acc_avx2"][file] = {"here": .., "avx2": ..}``: onnxruntime's AVX2 integer kernels saturate where VNNI
+    does not, so a file's accuracy can differ there. A note instead where qemu is not installed."""
     from bench import _avx2
 
     names = [n for n in paths if n != "FP32 export"]
     if not _avx2.available():
         row["notes"].append("accuracy on AVX2 not measured: qemu-x86_64 is not installed (apt-get install qemu-user)")
         return
-    outs = _avx2.first_outputs_on_avx2([(paths[n], feeds) for n in names])
-    row["acc_avx2"] = {n: quality(o) for n, o in zip(names, outs)}
+    cases = [(paths[n], feeds) for n in names]
+    t = time.perf_counter()
+    avx2 = _avx2.first_outputs_on_avx2(cases)
+    row["avx2_s"] = time.perf_counter() - t
+    here = _avx2.first_outputs_here(cases)
+    row["avx2_inputs"] = len(next(iter(feeds.values())) if isinstance(feeds, dict) else feeds[0])
+    row["acc_avx2"] = {n: {"here": quality(h), "avx2": quality(a)} for n, h, a in zip(names, here, avx2)}
 
 
 def _count_kernels(row: dict, name: str, res, export_s: float) -> None:
@@ -391,8 +400,8 @@ def run_minilm(fast: bool, d: str, log) -> dict:
     with torch.no_grad():
         ref = M.SentenceEmbedding(model).eval()(**sentences)
 
-    def cosine(emb) -> float:
-        return 100.0 * float(F.cosine_similarity(torch.as_tensor(emb), ref).mean())
+    def cosine(emb) -> float:  # of the first len(emb) sentences
+        return 100.0 * float(F.cosine_similarity(torch.as_tensor(emb), ref[: len(emb)]).mean())
 
     row: dict = {"model": MINILM, "metric": "mean cosine to FP32, %", "acc": {"FP32": 100.0}, "notes": []}
     paths = {"FP32 export": os.path.join(d, "fp32.onnx")}
@@ -419,7 +428,8 @@ def run_minilm(fast: bool, d: str, log) -> dict:
         make(p)
         paths[name] = p
         row["acc"][name] = cosine(make_session(p).run(None, feeds)[0])
-    _on_avx2(row, paths, feeds, cosine)
+    n = AVX2_FAST_INPUTS // 8 if fast else len(ref)  # 40 s per file for 40 sentences in the emulator
+    _on_avx2(row, paths, {k: v[:n] for k, v in feeds.items()}, cosine)
     _time(row, paths, {k: np.ascontiguousarray(v[:32]) for k, v in feeds.items()}, fast, log)
     return row
 
@@ -462,13 +472,12 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
         elif acc is not None:
             out.append((f"{r['model']}: PTQ within 0.5 point of FP32", f"{acc:.2f}% vs {r['acc']['FP32']:.2f}%",
                         acc >= r["acc"]["FP32"] - 0.5))
-        avx2 = r.get("acc_avx2", {})
-        if "metric" in r and LQ_DEFAULT in avx2:
-            out.append((f"{r['model']}: the default recipe's embeddings >= 0.99 mean cosine on AVX2 ({_avx2_cpu()})",
-                        f"{avx2[LQ_DEFAULT] / 100:.4f}", avx2[LQ_DEFAULT] >= 99.0))
-        elif best in avx2:
-            out.append((f"{r['model']}: PTQ within 0.5 point of FP32 on AVX2 ({_avx2_cpu()})",
-                        f"{avx2[best]:.2f}% vs {r['acc']['FP32']:.2f}%", avx2[best] >= r["acc"]["FP32"] - 0.5))
+        avx2 = {k: v for k, v in r.get("acc_avx2", {}).items() if k.startswith("lq")}
+        if avx2:  # the same inputs here and on AVX2: lq's files must not depend on the CPU's integer kernels
+            allowed = 0.1 if "metric" in r else 0.5
+            out.append((f"{r['model']}: lq's files as accurate on AVX2 ({_avx2_cpu()}) as here (within {allowed})",
+                        "; ".join(f"{v['here']:.2f} -> {v['avx2']:.2f}" for v in avx2.values()),
+                        all(abs(v["avx2"] - v["here"]) <= allowed for v in avx2.values())))
         k = r.get("kernels", {}).get(best)
         if k:
             chosen = k.get("by_choice", 0)
@@ -507,11 +516,12 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float) -> Pat
     if avx2:
         lines += ["", f"## The same files on an AVX2-only CPU ({_avx2_cpu()})", "",
                   "onnxruntime's integer kernels without VNNI add pairs of u8 x s8 products in a saturating int16; "
-                  "the files above, run on qemu's emulated AVX2 CPU (no AVX-512, no VNNI). Quality on this CPU -> "
-                  "on AVX2.", ""]
-        lines.append(_report.table(["model"] + contenders, [
-            [r["model"]] + [f"{quality(r, r['acc'][c])} -> {quality(r, r['acc_avx2'][c])}" if c in r["acc_avx2"]
-                            else "-" for c in contenders] for r in avx2], "l" + "r" * len(contenders)))
+                  "the files above, run on qemu's emulated AVX2 CPU (no AVX-512, no VNNI) and here on the same "
+                  "inputs (the first N). Quality on this CPU -> on AVX2.", ""]
+        lines.append(_report.table(["model", "N"] + contenders, [
+            [r["model"], str(r["avx2_inputs"])]
+            + [f"{quality(r, r['acc_avx2'][c]['here'])} -> {quality(r, r['acc_avx2'][c]['avx2'])}"
+               if c in r["acc_avx2"] else "-" for c in contenders] for r in avx2], "lr" + "r" * len(contenders)))
     lines += ["", "## What runs in float, and why (lq's export report)", ""]
     for r in rows:
         lines.append(f"**{r['model']}**")

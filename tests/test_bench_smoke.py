@@ -210,8 +210,9 @@ def test_ordinary_fast(runs):
             assert len(k["float"]) == k["layers"] - k["integer"], (name, k)
             assert _finite(r["speedup"][recipe]["median"]) and r["speedup"][recipe]["median"] > 0
             if avx2.available():  # the same file on an emulated AVX2-only CPU: lq's encodings never saturate there
-                tol = 0.1 if "metric" in r else 100 * 2 / 360 + 1e-6
-                assert abs(r["acc_avx2"][recipe] - r["acc"][recipe]) <= tol, (name, r["acc_avx2"], r["acc"])
+                v = r["acc_avx2"][recipe]
+                tol = 0.1 if "metric" in r else 100 * 2 / r["avx2_inputs"] + 1e-6  # two predictions may flip
+                assert abs(v["avx2"] - v["here"]) <= tol, (name, r["acc_avx2"])
     md = (out / "ordinary" / "ordinary.md").read_text()
     assert "## Targets" in md and "(CPU: " in md and "Command: `python -m bench.ordinary --fast" in md
     assert ("## The same files on an AVX2-only CPU" in md) == avx2.available()
