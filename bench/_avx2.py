@@ -41,41 +41,52 @@ def available() -> bool:
     return qemu() is not None and not emulated()
 
 
+def _env() -> dict:
+    """The emulated process's environment: this process's import path (a venv's too), one thread, and torch's
+    oneDNN at SSE4.1 (its AVX2 JIT code miscomputes under qemu 7.2: nn.LSTM was 0.34 off; onnxruntime's kernels
+    are MLAS, not oneDNN, and keep their AVX2 paths)."""
+    path = os.pathsep.join(p for p in sys.path if p)
+    return dict(os.environ, **{EMULATED_ENV: CPU}, PYTHONPATH=path, OMP_NUM_THREADS="1", ONEDNN_MAX_CPU_ISA="SSE41")
+
+
+def _run(args: list[str], **kw) -> subprocess.CompletedProcess:
+    """This interpreter with ``args`` on the emulated CPU; stderr without qemu's notes on CPUID bits it ignores."""
+    proc = subprocess.run([qemu(), "-cpu", CPU, sys.executable, *args], stderr=subprocess.PIPE, text=True,
+                          env=_env(), **kw)
+    proc.stderr = "\n".join(line for line in proc.stderr.splitlines() if "TCG doesn't support" not in line)
+    return proc
+
+
 def run_on_avx2(code: str, timeout: float = 1800) -> str:
-    """Run Python ``code`` on the emulated AVX2 CPU with this interpreter and import path; its stdout."""
-    prelude = f"import sys; sys.path[:0] = {[p for p in sys.path if p]!r}\n"
-    # torch's oneDNN (if the code imports torch) at SSE4.1: its AVX2 JIT code miscomputes under qemu 7.2
-    env = dict(os.environ, **{EMULATED_ENV: CPU}, OMP_NUM_THREADS="1", ONEDNN_MAX_CPU_ISA="SSE41")
-    proc = subprocess.run([qemu(), "-cpu", CPU, sys.executable, "-c", prelude + code], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    """Run Python ``code`` on the emulated AVX2 CPU; its stdout."""
+    proc = _run(["-c", code], stdout=subprocess.PIPE, timeout=timeout)
     if proc.returncode:
-        tail = "\n".join(line for line in proc.stderr.splitlines() if "TCG doesn't support" not in line)[-3000:]
-        raise RuntimeError(f"the emulated AVX2 run failed (exit {proc.returncode}):\n{tail}")
+        raise RuntimeError(f"the emulated AVX2 run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc.stdout
 
 
 _RUN_FILES = """
-import json, numpy as np, onnxruntime as ort
+import json, numpy as np
+from bench._avx2 import _session
 for c in json.load(open({spec!r})):
-    so = ort.SessionOptions(); so.intra_op_num_threads = 1; so.log_severity_level = 3
-    s = ort.InferenceSession(c["file"], so, providers=["CPUExecutionProvider"])
-    np.save(c["out"], s.run(None, {{k: np.load(f) for k, f in c["feeds"].items()}})[0])
+    np.save(c["out"], _session(c["file"]).run(None, {{k: np.load(f) for k, f in c["feeds"].items()}})[0])
 print("ran", len(json.load(open({spec!r}))))
 """
 
 
-def first_outputs_here(cases: list[tuple[str, dict | list]]) -> list[np.ndarray]:
-    """What :func:`first_outputs_on_avx2` computes, on this CPU (the same session options)."""
+def _session(path: str):
+    """The onnxruntime session both sides run a file in: all optimizations, one thread, CPU."""
     import onnxruntime as ort
 
-    outs = []
-    for path, feeds in cases:
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = 1
-        so.log_severity_level = 3
-        sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-        outs.append(sess.run(None, _by_name(path, feeds))[0])
-    return outs
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.log_severity_level = 3
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def first_outputs_here(cases: list[tuple[str, dict | list]]) -> list[np.ndarray]:
+    """What :func:`first_outputs_on_avx2` computes, on this CPU."""
+    return [_session(path).run(None, _by_name(path, feeds))[0] for path, feeds in cases]
 
 
 def first_outputs_on_avx2(cases: list[tuple[str, dict | list]]) -> list[np.ndarray]:
@@ -107,3 +118,17 @@ def _by_name(path: str, feeds: dict | list) -> dict:
     g = onnx.load(path, load_external_data=False).graph
     inits = {i.name for i in g.initializer}
     return dict(zip([i.name for i in g.input if i.name not in inits], feeds))
+
+
+def main(argv=None) -> int:
+    """``python -m bench._avx2 [pytest arguments]``: pytest on the emulated CPU (``make test-avx2``)."""
+    if not available():
+        print("needs qemu-x86_64 on an x86-64 machine (Debian/Ubuntu: apt-get install qemu-user)", file=sys.stderr)
+        return 2
+    proc = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", *(sys.argv[1:] if argv is None else argv)])
+    print(proc.stderr, file=sys.stderr)
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
