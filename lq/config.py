@@ -28,6 +28,7 @@ CALIB_DATALOADERS = ("train", "val")
 LR_POLICIES = ("none", "cosine")
 EXPORTERS = ("dynamo", "legacy")
 EXPORT_TARGETS = ("onnxruntime", "tensorrt")
+RECURRENT_MODES = ("scan", "dynamic")
 
 
 def _choice(owner: str, name: str, value, allowed) -> None:
@@ -139,6 +140,10 @@ class QuantConfig:
         unsigned_after_relu: 8-bit input quantizers that only see a ReLU's output use the unsigned grid
             ``[0, 255]`` (twice the steps; onnxruntime drops the ReLU). onnxruntime only (TensorRT takes
             int8): on in :class:`Int8ReduceRangeConfig`.
+        recurrent: how ``nn.LSTM`` layers quantize their activations: ``"scan"`` (their input quantizers,
+            calibrated; exported as an ONNX Scan loop, any runtime) or ``"dynamic"`` (onnxruntime's fused
+            ``DynamicQuantizeLSTM``: each layer's input and every step's h quantized from themselves, the
+            weights as calibrated; one kernel per layer; onnxruntime only, no ``proj_size``).
     """
 
     input: QuantizerConfig = field(default_factory=QuantizerConfig)
@@ -149,9 +154,11 @@ class QuantConfig:
     types: Optional[List[str]] = None
     glue: bool = True
     unsigned_after_relu: bool = False
+    recurrent: str = "scan"
 
     def __post_init__(self):
         owner = type(self).__name__
+        _choice(owner, "recurrent", self.recurrent, RECURRENT_MODES)
         for flag in ("glue", "unsigned_after_relu"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{owner}.{flag}={getattr(self, flag)!r} is not allowed: expected true or false")

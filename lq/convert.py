@@ -401,6 +401,7 @@ def quantize_model(
     quant_desc_weight=None,
     glue: bool = True,
     unsigned_after_relu: bool = False,
+    recurrent: str = "scan",
 ) -> QuantizationSummary:
     """Replace the float modules of ``model`` by quantized ones, in place.
 
@@ -425,6 +426,11 @@ def quantize_model(
             a ReLU's output (pooled, reshaped ...) quantize on the unsigned grid ``[0, 255]``: twice the
             steps, and onnxruntime drops the ReLU (:mod:`lq.glue._nonneg`). onnxruntime only: TensorRT
             takes int8 Q/DQ. Part of :class:`lq.config.Int8ReduceRangeConfig`.
+        recurrent: how the new ``QuantLSTM`` layers quantize their activations. ``"scan"``: with their input
+            quantizers (calibrated; pytorch-quantization's numbers), exported as an ONNX ``Scan`` loop for any
+            runtime. ``"dynamic"``: as onnxruntime's fused ``DynamicQuantizeLSTM`` does, from each tensor
+            itself (:meth:`lq.nn.QuantLSTM.set_runtime_dynamic`; onnxruntime only, no ``proj_size``): one
+            kernel per layer, faster than the loop where the layer is small.
 
     Returns:
         a :class:`QuantizationSummary` of the converted, already quantized and excluded layers.
@@ -438,6 +444,11 @@ def quantize_model(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    from lq.config import RECURRENT_MODES
+
+    if recurrent not in RECURRENT_MODES:
+        raise ValueError(f"quantize_model: recurrent={recurrent!r} is not allowed: "
+                         f"choose one of {list(RECURRENT_MODES)}")
     tmap = _normalize_type_map(type_map)
     include = _as_patterns(include, "include")
     exclude = _as_patterns(exclude, "exclude")
@@ -552,6 +563,8 @@ def quantize_model(
             qi = _unsigned_desc(qi if qi is not None else t.quant_cls.default_quant_desc_input)
         try:
             t.new = t.quant_cls.from_float(t.module, qi, qw)
+            if recurrent == "dynamic" and isinstance(t.new, quant_nn.QuantLSTM):
+                t.new.set_runtime_dynamic(True)
         except DescriptorTypeError:
             raise
         except Exception as e:  # noqa: BLE001 - re-raised with the layer's name

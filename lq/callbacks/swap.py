@@ -58,6 +58,7 @@ class QuantSwap(L.Callback):
             quant_desc_weight=q.weight.to_descriptor(),
             glue=q.glue,
             unsigned_after_relu=q.unsigned_after_relu,
+            recurrent=q.recurrent,
         )
         name_quantizers(model, overwrite=True)
         self._apply_enabled(model)

@@ -15,9 +15,9 @@ import numpy as np
 import onnx
 import torch
 
-from lq.export import (_channel_affine, _finish, _float_convs, _float_twin, _fold_bn, _fold_constants, _gelu_order,
-                       _int16, _kernel_report, _linear_gemm, _loop_ops, _loops, _lower, _mean_first, _model_checks,
-                       _placement, _pool_first, _symbolic, _timing, _torch_onnx, _upsample, _verify)
+from lq.export import (_channel_affine, _dynamic_lstm, _finish, _float_convs, _float_twin, _fold_bn, _fold_constants,
+                       _gelu_order, _int16, _kernel_report, _linear_gemm, _loop_ops, _loops, _lower, _mean_first,
+                       _model_checks, _placement, _pool_first, _symbolic, _timing, _torch_onnx, _upsample, _verify)
 from lq.export._fold_bn import FoldRecord
 from lq.export._ir import ExportError, Graph, QuantNodeInfo, all_nodes, layer_name
 from lq.export._kernel_report import LayerKernel
@@ -197,6 +197,12 @@ def export_onnx(
 
     exporter = "dynamo" if dynamo else "legacy"
     notes: list[str] = []
+    dynamic = _loop_ops.runtime_dynamic_layers(work)
+    if dynamic and (target != "onnxruntime" or not dynamo):
+        raise ExportError(f"QuantLSTM {', '.join(dynamic)} quantize(s) activations as onnxruntime's "
+                          "DynamicQuantizeLSTM (runtime_dynamic), an onnxruntime op written by the current exporter "
+                          "only: export with target='onnxruntime' and dynamo=True, or call set_runtime_dynamic(False) "
+                          "and calibrate")
     try:
         # a QuantLSTM traces as one placeholder per layer and direction (not one step per time step): the
         # current exporter only (the legacy one has no translation for it and keeps the unrolled steps)
@@ -220,6 +226,7 @@ def export_onnx(
     infos: list[QuantNodeInfo] = []
     folds: list[FoldRecord] = []
     u8_weights: list[str] = []
+    dynamic_lstms: list[str] = []
     lower_opts = _lower.LowerOptions(opset=opset, weight_format=weight_format,
                                      activation_dtype="uint8" if target == "onnxruntime" else "int8",
                                      narrow_clamp=target == "onnxruntime")
@@ -229,6 +236,7 @@ def export_onnx(
         _fold_constants.fold_constants(g)
         _lower.lower_placeholders(g, lower_opts, infos)
         _lower.fold_weight_quantize(g)
+        dynamic_lstms.extend(_dynamic_lstm.write_dynamic_lstms(g))
         if fold_bn:
             folds.extend(_fold_bn.fold_batchnorm(g))
         _finish.split_weight_dq(g)
@@ -276,6 +284,11 @@ def export_onnx(
                      "kernels (their int8 x uint8 pair sums could saturate int16 on CPUs without VNNI; the stored values "
                      "are the same): the int8_reduce_range recipe (7-bit weights, used in calibration and QAT too) "
                      "keeps the faster uint8 x int8 kernels on every CPU")
+    if dynamic_lstms:
+        notes.append(f"{len(dynamic_lstms)} LSTM layer-direction(s) ({', '.join(dict.fromkeys(dynamic_lstms))}) run as "
+                     "onnxruntime's fused DynamicQuantizeLSTM, which quantizes h at every step from h itself: with "
+                     "one intra-op thread it computes what PyTorch does (verified so); with more, each thread "
+                     "quantizes its share of the batch on its own, so results move by a fraction of a step")
     if not keep_metadata:
         _finish.strip_metadata(proto)
     _finish.remove_placeholder_opset(proto)
@@ -321,7 +334,8 @@ def export_onnx(
                        "weights or an amax are not finite")
                     + f". The file was saved as {_unverified(path)}; {path} was not written.")
             try:
-                sess = _verify.make_session(data, providers, graph_optimization_level=_verify.verify_level(target))
+                sess = _verify.make_session(data, providers, graph_optimization_level=_verify.verify_level(target),
+                                            intra_op_num_threads=1 if dynamic_lstms else None)
                 ort_out = _verify.run(sess, feeds)
             except Exception as e:
                 _save_unverified(proto, path)
@@ -390,7 +404,7 @@ def _speed_note(int8_model: bytes, twin, inputs, providers, kernels: list[LayerK
         return None
     if ratio < 1.0:
         floats = [f"{k.layer} ({k.kernel}: {k.reason})" for k in kernels if not k.integer]
-        loops = sum(n.op_type == "LSTM" for n in twin.graph.node)
+        loops = sum(n.op_type == "Scan" for n in onnx.load_from_string(int8_model).graph.node)
         notes.append(
             f"the INT8 file runs at {ratio:.2f}x the speed of FP32 in onnxruntime on the sample (1 thread, "
             f"{int8_ms:.3g} ms vs {fp32_ms:.3g} ms): "
@@ -398,7 +412,9 @@ def _speed_note(int8_model: bytes, twin, inputs, providers, kernels: list[LayerK
                "every quantized layer runs an integer kernel; the Q/DQ conversions cost more than they save "
                "at this size")
             + (f"; its {loops} recurrent layer(s) run as loops of small ops per time step (the step quantizes "
-               "h), the FP32 file's as onnxruntime's fused float LSTM kernel" if loops else ""))
+               "h), the FP32 file's as onnxruntime's fused float LSTM kernel: recurrent='dynamic' (QuantConfig, "
+               "or QuantLSTM.set_runtime_dynamic) runs them as onnxruntime's fused DynamicQuantizeLSTM"
+               if loops else ""))
     return ratio
 
 

@@ -22,13 +22,10 @@ from onnx import helper
 
 from lq.export._finish import remove_placeholder_opset
 from lq.export._ir import Graph, attr, drop_unread, subgraphs
-from lq.export._loop_ops import LOOP_STATE, LSTM_SCAN
+from lq.export._dynamic_lstm import gate_rows
+from lq.export._loop_ops import DYNAMIC_LSTM, LOOP_STATE, LSTM_SCAN
 from lq.export._loops import lower_recurrent
 from lq.export._symbolic import DOMAIN
-
-#: torch's gate blocks (i, f, g, o) in the order of ONNX's LSTM (i, o, f, c)
-_ONNX_GATES = (0, 3, 1, 2)
-
 
 def float_twin(model: onnx.ModelProto, fused_recurrent: bool = True) -> onnx.ModelProto:
     """A copy of the exporter's graph (lq placeholders still in it, recurrent ones not yet lowered) with each
@@ -62,28 +59,25 @@ def _pass_through(graph: onnx.GraphProto) -> None:
 
 # =========================================================================== LSTMScan -> LSTM (float)
 def recurrent_as_lstm(g: Graph) -> int:
-    """Every ``LSTMScan`` placeholder whose input projection is ``MatMul(x, W^T) [+ b_ih]`` -> one float ONNX
-    ``LSTM`` reading ``x`` (the projection, the step's quantizer and the weights' placeholders go); returns how
-    many."""
+    """Every recurrent placeholder -> one float ONNX ``LSTM`` reading the layer's input ``x`` (the projection,
+    the step's quantizer and the weights' placeholders go); returns how many. A ``DynamicLSTM`` reads ``x``
+    itself; an ``LSTMScan`` only where its input projection is ``MatMul(x, W^T) [+ b_ih]``."""
     prod, done = g.producers(), 0
-    for n in [m for m in g.nodes if m.domain == DOMAIN and m.op_type == LSTM_SCAN]:
-        ins = list(n.input) + [""] * (7 - len(n.input))
-        xw, h0, c0, _, w_hh, b_hh, w_hr = ins[:7]
+    for n in [m for m in g.nodes if m.domain == DOMAIN and m.op_type in (LSTM_SCAN, DYNAMIC_LSTM)]:
         hidden = int(attr(n, "hidden_size", 0))
-        found = _projection(g, prod, xw)
-        if w_hr or hidden <= 0 or found is None:
+        found = _lstm_parts(g, prod, n)
+        if hidden <= 0 or found is None:
             continue
-        x, w_t, b_ih = found
-        r = _constant(g, prod, w_hh)
-        b_hh_v = _constant(g, prod, b_hh) if b_hh else np.zeros(4 * hidden, np.float32)
-        if w_t is None or r is None or b_hh_v is None or w_t.ndim != 2 or w_t.shape[1] != 4 * hidden \
-                or r.shape != (4 * hidden, hidden):
+        x, w, r, b_ih, b_hh = found
+        if w is None or r is None or w.ndim != 2 or w.shape[0] != 4 * hidden or r.shape != (4 * hidden, hidden):
             continue
-        b_ih = np.zeros(4 * hidden, np.float32) if b_ih is None else b_ih
+        zeros = np.zeros(4 * hidden, np.float32)
+        b_ih, b_hh = (zeros if b is None else b for b in (b_ih, b_hh))
         stem = n.name or "lstm"
-        w = g.add_const(f"{stem}/W", _gates(w_t.T, hidden)[None])
-        rr = g.add_const(f"{stem}/R", _gates(r, hidden)[None])
-        bb = g.add_const(f"{stem}/B", np.concatenate([_gates(b_ih, hidden), _gates(b_hh_v, hidden)])[None])
+        ww = g.add_const(f"{stem}/W", gate_rows(w, hidden).astype(np.float32)[None])
+        rr = g.add_const(f"{stem}/R", gate_rows(r, hidden).astype(np.float32)[None])
+        bb = g.add_const(f"{stem}/B", np.concatenate([gate_rows(b_ih, hidden), gate_rows(b_hh, hidden)])
+                         .astype(np.float32)[None])
         axis0, axis1 = (g.add_const(f"{stem}/axis", np.array([a], np.int64)) for a in (0, 1))
         new = []
 
@@ -92,10 +86,11 @@ def recurrent_as_lstm(g: Graph) -> int:
             new.append(m)
             return list(m.output)
 
+        h0, c0 = n.input[1], n.input[2]
         (h0u,), (c0u,) = node("Unsqueeze", [h0, axis0]), node("Unsqueeze", [c0, axis0])
         y, h_n, c_n = (list(n.output) + ["", "", ""])[:3]
-        y4, yh, yc = node("LSTM", [x, w, rr, bb, "", h0u, c0u], [g.fresh(f"{stem}/Y"), g.fresh(f"{stem}/Y_h"),
-                                                                  g.fresh(f"{stem}/Y_c")], hidden_size=hidden,
+        y4, yh, yc = node("LSTM", [x, ww, rr, bb, "", h0u, c0u], [g.fresh(f"{stem}/Y"), g.fresh(f"{stem}/Y_h"),
+                                                                   g.fresh(f"{stem}/Y_c")], hidden_size=hidden,
                           direction="reverse" if int(attr(n, "reverse", 0)) else "forward")
         for full, out, axis in ((y4, y, axis1), (yh, h_n, axis0), (yc, c_n, axis0)):
             if out:
@@ -108,9 +103,22 @@ def recurrent_as_lstm(g: Graph) -> int:
     return done
 
 
-def _gates(a: np.ndarray, hidden: int) -> np.ndarray:
-    """Rows (or entries) in torch's gate blocks i, f, g, o -> ONNX's i, o, f, c."""
-    return np.concatenate([a[k * hidden:(k + 1) * hidden] for k in _ONNX_GATES]).astype(np.float32)
+def _lstm_parts(g: Graph, prod: dict, n):
+    """``(x, W_ih (4H, F), W_hh, b_ih, b_hh)`` of a recurrent placeholder (None for a missing bias), or None
+    where the twin cannot be the ONNX ``LSTM`` op (a projection, an input projection it cannot read)."""
+    read = lambda v: _constant(g, prod, v) if v else None  # noqa: E731
+    if n.op_type == DYNAMIC_LSTM:
+        ins = list(n.input) + [""] * (7 - len(n.input))
+        return ins[0], read(ins[3]), read(ins[4]), read(ins[5]), read(ins[6])
+    ins = list(n.input) + [""] * (7 - len(n.input))
+    xw, w_hh, b_hh, w_hr = ins[0], ins[4], ins[5], ins[6]
+    found = _projection(g, prod, xw)
+    if w_hr or found is None:
+        return None
+    x, w_t, b_ih = found
+    if (b_hh and read(b_hh) is None) or w_t is None or w_t.ndim != 2:
+        return None
+    return x, w_t.T, read(w_hh), b_ih, read(b_hh)
 
 
 def _projection(g: Graph, prod: dict, xw: str):

@@ -17,7 +17,7 @@ import onnx
 from lq.export._ir import Graph, as_model
 from lq.export._mean_first import MEAN_FIRST
 from lq.export._rules import FLOAT_BY_CHOICE, FLOAT_MARKERS, ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP
-from lq.export._verify import INT8_KERNELS
+from lq.export._verify import INT8_KERNELS, RUNTIME_QUANTIZED_LSTM
 
 #: the reason of a conv the export left float on purpose (:mod:`lq.export._float_convs`)
 BY_CHOICE = (f"float by choice: fewer than {ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP} input channels per group "
@@ -180,6 +180,11 @@ def _kernels(g: Graph, optimized: onnx.GraphProto, model: onnx.ModelProto, layer
                 twin = next((b.g for b in opt_loop.attribute if b.name == a.name and b.type == a.type), None)
                 if twin is not None:
                     out.extend(_kernels(Graph(as_model(a.g, model)), twin, model, layer_of))
+        if n.op_type == RUNTIME_QUANTIZED_LSTM:  # quantizes its own activations: no Q/DQ around it
+            kernel = opt_by_name[n.name].op_type if n.name in opt_by_name else n.op_type
+            out.append(LayerKernel(layer_of.get(n.name) or n.name, n.op_type, kernel,
+                                   None if kernel in INT8_KERNELS else "onnxruntime did not run its fused kernel"))
+            continue
         if n.op_type not in COMPUTE + _JOINS or not _quantized(n, prod) or MEAN_FIRST in n.name:
             continue  # (a mean the export moved in front of a 1x1 conv: the model's float mean, not a layer)
         kernel = _runs_as(n, opt_by_name, opt_cons, prod)

@@ -13,7 +13,11 @@ Why: torch.export follows a Python loop step by step, so an LSTM over T steps be
   quantizer is elementwise with a fixed amax), ``h_q`` the quantized marker, ``w_hh`` / ``w_hr`` the quantized
   recurrent / projection weights (their Q/DQ is moved into the body, where onnxruntime fuses it).
 
-Both ops exist for tracing only (fake implementations give the shapes; ``lstm_scan`` refuses to run
+A ``QuantLSTM`` with ``runtime_dynamic`` activations emits ``lq_export::dynamic_lstm(x, h0, c0, w_ih, w_hh,
+b_ih, b_hh, reverse, hidden_size)`` per layer and direction instead: the whole layer as onnxruntime's fused
+``DynamicQuantizeLSTM`` (:mod:`lq.export._dynamic_lstm` writes it once the weights are integer constants).
+
+The ops exist for tracing only (fake implementations give the shapes; ``lstm_scan`` refuses to run
 eagerly: ``h_q`` tells how ``h`` is quantized, not its values). :func:`translations` writes them as
 placeholder nodes of the ``lq.export`` domain, which :mod:`lq.export._loops` turns into ``Scan``.
 :func:`loop_mode` switches the ``QuantLSTM`` modules of the model being exported to this path where their
@@ -30,10 +34,11 @@ from torch import Tensor
 
 from lq.export._symbolic import DOMAIN, VERSION, register_placeholder
 
-__all__ = ["loop_state", "lstm_scan", "loop_mode", "translations"]
+__all__ = ["loop_state", "lstm_scan", "dynamic_lstm", "loop_mode", "translations"]
 
 LOOP_STATE = "LoopState"
 LSTM_SCAN = "LSTMScan"
+DYNAMIC_LSTM = "DynamicLSTM"
 
 
 @torch.library.custom_op("lq_export::loop_state", mutates_args=())
@@ -58,6 +63,20 @@ def lstm_scan(xw: Tensor, h0: Tensor, c0: Tensor, h_q: Tensor, w_hh: Tensor, b_h
 @lstm_scan.register_fake
 def _(xw, h0, c0, h_q, w_hh, b_hh, w_hr, reverse, hidden_size):
     return xw.new_empty(xw.shape[0], xw.shape[1], h0.shape[-1]), torch.empty_like(h0), torch.empty_like(c0)
+
+
+@torch.library.custom_op("lq_export::dynamic_lstm", mutates_args=())
+def dynamic_lstm(x: Tensor, h0: Tensor, c0: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Optional[Tensor],
+                 b_hh: Optional[Tensor], reverse: bool, hidden_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(outputs (T, B, H), h_T (B, H), c_T (B, H))`` of one layer and direction run as onnxruntime's
+    ``DynamicQuantizeLSTM``; export placeholder only (``w_ih``/``w_hh``: the quantized weights)."""
+    raise RuntimeError("lq_export::dynamic_lstm marks a QuantLSTM layer for lq.export.export_onnx and does not run; "
+                       "call the QuantLSTM module itself")
+
+
+@dynamic_lstm.register_fake
+def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, reverse, hidden_size):
+    return x.new_empty(x.shape[0], x.shape[1], h0.shape[-1]), torch.empty_like(h0), torch.empty_like(c0)
 
 
 @contextlib.contextmanager
@@ -86,12 +105,22 @@ def loop_mode(model: torch.nn.Module) -> Iterator[list[str]]:
             del m._export_as_loop
 
 
+def runtime_dynamic_layers(model: torch.nn.Module) -> list[str]:
+    """Names of the ``QuantLSTM`` modules of ``model`` that quantize as onnxruntime's DynamicQuantizeLSTM."""
+    from lq.nn.modules.quant_rnn import QuantLSTM
+
+    return [f"'{name}'" for name, m in model.named_modules() if isinstance(m, QuantLSTM) and m.runtime_dynamic]
+
+
 def register_schemas() -> None:
     """The onnx schemas of the two placeholders (idempotent)."""
     doc = "lq placeholder ({}); written as an ONNX Scan by lq.export"
     register_placeholder(LOOP_STATE, ["h"], ["y"], [], doc=doc.format(LOOP_STATE))
     register_placeholder(LSTM_SCAN, ["xw", "h0", "c0", "h_q", "w_hh"], ["y", "h_n", "c_n"], ["reverse", "hidden_size"],
                          optional=["b_hh", "w_hr"], doc=doc.format(LSTM_SCAN))
+    register_placeholder(DYNAMIC_LSTM, ["x", "h0", "c0", "w_ih", "w_hh"], ["y", "h_n", "c_n"],
+                         ["reverse", "hidden_size"], optional=["b_ih", "b_hh"],
+                         doc="lq placeholder (DynamicLSTM); written as onnxruntime's DynamicQuantizeLSTM by lq.export")
 
 
 def translations() -> dict:
@@ -108,5 +137,10 @@ def translations() -> dict:
         return lqop.LSTMScan(xw, h0, c0, h_q, w_hh, b_hh, w_hr, reverse=int(bool(reverse)),
                              hidden_size=int(hidden_size), _num_outputs=3)
 
+    def dynamic_lstm_onnx(x, h0, c0, w_ih, w_hh, b_ih=None, b_hh=None, reverse: bool = False, hidden_size: int = 0):
+        return lqop.DynamicLSTM(x, h0, c0, w_ih, w_hh, b_ih, b_hh, reverse=int(bool(reverse)),
+                                hidden_size=int(hidden_size), _num_outputs=3)
+
     return {torch.ops.lq_export.loop_state.default: loop_state_onnx,
-            torch.ops.lq_export.lstm_scan.default: lstm_scan_onnx}
+            torch.ops.lq_export.lstm_scan.default: lstm_scan_onnx,
+            torch.ops.lq_export.dynamic_lstm.default: dynamic_lstm_onnx}

@@ -26,6 +26,7 @@ from onnx import TensorProto, helper
 
 from lq import _reference
 from lq.export._ir import ExportError, Graph, QuantNodeInfo, attr, layer_name
+from lq.export._loop_ops import DYNAMIC_LSTM
 from lq.export._symbolic import DOMAIN
 
 AMAX_EPSILON = _reference.AMAX_EPSILON
@@ -94,7 +95,7 @@ def lower_placeholders(g: Graph, opts: LowerOptions, infos: list[QuantNodeInfo])
     out_nodes = []
     errors: list[str] = []
     for n in g.nodes:
-        if n.domain != DOMAIN:
+        if n.domain != DOMAIN or n.op_type == DYNAMIC_LSTM:  # that one is written once its weights are integer
             out_nodes.append(n)
             continue
         layer = layer_name(n)

@@ -12,7 +12,10 @@ import numpy as np
 INT8_KERNELS = ("QLinearConv", "QLinearMatMul", "QLinearAdd", "QGemm", "QLinearMul", "QLinearConcat",
                 "QLinearAveragePool", "QLinearGlobalAveragePool", "MatMulIntegerToFloat", "ConvInteger",
                 "MatMulInteger", "DynamicQuantizeMatMul", "QLinearLeakyRelu", "QLinearSigmoid", "QLinearSoftmax",
-                "MatMulNBits")
+                "MatMulNBits", "DynamicQuantizeLSTM")
+#: onnxruntime's fused LSTM that quantizes its activations itself, from each GEMM's input: its numbers depend
+#: on how many threads split the batch, so a file holding it is verified with one (what PyTorch computes)
+RUNTIME_QUANTIZED_LSTM = "DynamicQuantizeLSTM"
 
 
 def _ort():

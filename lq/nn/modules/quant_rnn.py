@@ -27,6 +27,11 @@ With every quantizer disabled both equal ``torch.nn.LSTM`` / ``LSTMCell``.
 Export: inside ``lq.export.export_onnx`` a ``QuantLSTM`` whose input quantizers are calibrated per
 tensor traces each layer and direction as one placeholder op (:meth:`QuantLSTM._direction_loop`) that
 the export writes as an ONNX ``Scan``: one loop, any sequence length, the step's Q/DQ inside it.
+
+``QuantLSTM.set_runtime_dynamic()`` (``recurrent="dynamic"`` in :class:`lq.config.QuantConfig`) computes
+instead what onnxruntime's fused ``DynamicQuantizeLSTM`` runs: no input quantizers, each layer's input and
+every step's ``h`` quantized to uint8 from themselves (:mod:`lq.nn.modules._runtime_dynamic`), the weights as
+calibrated; exported as that one op per layer and direction (:mod:`lq.export._dynamic_lstm`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from lq import tensor_quant
+from lq.nn.modules._runtime_dynamic import runtime_dynamic_fake_quant
 from lq.nn.modules._utils import QuantMixin, _tensor_quantizer_cls, quant_class
 
 __all__ = ["QuantLSTM", "QuantLSTMCell", "LSTM", "LSTMCell"]
@@ -72,6 +78,17 @@ def lstm_step(x, h, c, w_ih, w_hh, b_ih, b_hh, input_quantizer):
     ``[x | h]`` is quantized as one tensor by ``input_quantizer``. Returns ``(h', c')``."""
     x, h = quantize_side_by_side(input_quantizer, [x, h])
     gates = F.linear(x, w_ih, b_ih) + F.linear(h, w_hh, b_hh)
+    i, f, g, o = gates.chunk(4, 1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
+
+
+def runtime_dynamic_step(x_q, h, c, w_ih, w_hh, b_ih, b_hh):
+    """One step of :attr:`QuantLSTM.runtime_dynamic`: ``x_q`` is already quantized (with the whole sequence),
+    ``h`` is quantized from itself; the sums in onnxruntime's order (both GEMMs, then the two biases)."""
+    gates = F.linear(x_q, w_ih) + F.linear(runtime_dynamic_fake_quant(h), w_hh)
+    if b_ih is not None:
+        gates = gates + (b_ih + b_hh)
     i, f, g, o = gates.chunk(4, 1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     return torch.sigmoid(o) * torch.tanh(c), c
@@ -129,6 +146,11 @@ class QuantLSTM(nn.LSTM, QuantMixin):
     #: set by lq.export on the copy it exports (:func:`lq.export._loop_ops.loop_mode`): trace the time loop as
     #: one placeholder op per layer and direction instead of one step per time step
     _export_as_loop = False
+    #: activations quantized as onnxruntime's fused ``DynamicQuantizeLSTM`` does it (set with
+    #: :meth:`set_runtime_dynamic`): each layer's input sequence and every step's ``h`` to uint8 with a scale
+    #: and zero point taken from that tensor itself (:mod:`lq.nn.modules._runtime_dynamic`); the weights keep
+    #: their (calibrated, per-row) quantizers, the input quantizers are not used
+    runtime_dynamic = False
 
     @property
     def _num_directions(self) -> int:
@@ -161,10 +183,25 @@ class QuantLSTM(nn.LSTM, QuantMixin):
             if w_hr is not None:
                 yield self._weight_hr_quantizers[idx], w_hr
 
+    def set_runtime_dynamic(self, on: bool = True) -> "QuantLSTM":
+        """Quantize the activations as onnxruntime's ``DynamicQuantizeLSTM`` does (see :attr:`runtime_dynamic`),
+        or back to the input quantizers (``on=False``). The input quantizers are disabled while it is on (they
+        would see nothing to calibrate) and enabled again when it is switched off. onnxruntime only; not with
+        ``proj_size`` (the op has no projection)."""
+        if on and self.proj_size > 0:
+            raise ValueError("QuantLSTM.set_runtime_dynamic: onnxruntime's DynamicQuantizeLSTM has no projection; "
+                             f"proj_size={self.proj_size} is allowed only with the input quantizers (on=False)")
+        if bool(on) != self.runtime_dynamic:
+            for q in self._input_quantizers:
+                q.disable() if on else q.enable()
+        self.runtime_dynamic = bool(on)
+        return self
+
     def _direction(self, steps, h, c, idx, reverse):
         """Run layer-direction ``idx`` over ``steps`` (2-D step inputs in time order, the batch
         shrinking for packed input: only the first rows are still running) from state ``h, c``.
-        Returns the outputs in time order and the final ``h, c``."""
+        Returns the outputs in time order and the final ``h, c``. With :attr:`runtime_dynamic` the
+        steps are already quantized (the layer's whole input at once)."""
         w_ih, w_hh, b_ih, b_hh, w_hr = self._layer_params(idx)
         w_ih, w_hh = quantize_side_by_side(self._weight_quantizers[idx], [w_ih, w_hh])
         if w_hr is not None:
@@ -173,6 +210,10 @@ class QuantLSTM(nn.LSTM, QuantMixin):
         outs = [None] * len(steps)
         for t in reversed(range(len(steps))) if reverse else range(len(steps)):
             n = steps[t].size(0)
+            if self.runtime_dynamic:  # padded input only (forward refuses a PackedSequence)
+                h, c = runtime_dynamic_step(steps[t], h, c, w_ih, w_hh, b_ih, b_hh)
+                outs[t] = h
+                continue
             if n == h.size(0):
                 h_new, c = lstm_step(steps[t], h, c, w_ih, w_hh, b_ih, b_hh, in_q)
             else:  # packed input: rows n.. are finished (forward) or not started (reverse)
@@ -207,6 +248,8 @@ class QuantLSTM(nn.LSTM, QuantMixin):
         w_ih, w_hh = quantize_side_by_side(self._weight_quantizers[idx], [w_ih, w_hh])
         if w_hr is not None:
             w_hr = self._weight_hr_quantizers[idx](w_hr)
+        if self.runtime_dynamic:  # the whole layer as onnxruntime's DynamicQuantizeLSTM
+            return _loop_ops.dynamic_lstm(seq, h, c, w_ih, w_hh, b_ih, b_hh, reverse, self.hidden_size)
         in_q = self._input_quantizers[idx]
         xw = F.linear(in_q(seq), w_ih, b_ih)
         h_q = in_q(_loop_ops.loop_state(h))
@@ -231,6 +274,9 @@ class QuantLSTM(nn.LSTM, QuantMixin):
 
     def forward(self, input, hx=None):
         packed = isinstance(input, PackedSequence)
+        if packed and self.runtime_dynamic:
+            raise ValueError("QuantLSTM with runtime_dynamic activations takes a padded (T, B, F) tensor, not a "
+                             "PackedSequence: onnxruntime quantizes the whole padded sequence at once")
         if packed and self._export_as_loop:
             raise ValueError("QuantLSTM: a PackedSequence input cannot be exported (its batch sizes are data); "
                              "export with the padded (T, B, F) tensor instead")
@@ -254,7 +300,10 @@ class QuantLSTM(nn.LSTM, QuantMixin):
             h0, c0 = h0.index_select(1, input.sorted_indices), c0.index_select(1, input.sorted_indices)
         h_n, c_n = [], []
         for layer in range(self.num_layers):
-            steps = None if self._export_as_loop else _steps(seq, batch_sizes)
+            if self.runtime_dynamic and not self._export_as_loop:  # the layer's input, all steps at once
+                steps = _steps(runtime_dynamic_fake_quant(seq), None)
+            else:
+                steps = None if self._export_as_loop else _steps(seq, batch_sizes)
             outs = []
             for d in range(self._num_directions):
                 idx = layer * self._num_directions + d

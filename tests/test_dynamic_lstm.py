@@ -1,0 +1,202 @@
+"""QuantLSTM with runtime_dynamic activations: onnxruntime's fused DynamicQuantizeLSTM, computed in PyTorch.
+
+What must hold: the activation quantizer is onnxruntime's own rule (checked against its DynamicQuantizeLinear
+op, bit for bit); the LSTM computes what a quantized LSTM written out here in numpy computes (each layer's
+input quantized once over the whole sequence, h at every step, from themselves); the export is one
+DynamicQuantizeLSTM per layer and direction (no loop, no unrolling, any sequence length) and onnxruntime on one
+thread gives PyTorch's numbers for 8-bit (uint8-encoded) and 7-bit weights; the swap, config and export refuse
+what the op cannot run, in words that say what to do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import lq.nn as quant_nn
+from lq.calibration import calibrate_model
+from lq.callbacks import QuantSwap
+from lq.config import Int8ReduceRangeConfig, QuantConfig
+from lq.convert import quantize_model
+from lq.export import ExportError, export_onnx
+from lq.export._ir import all_nodes
+from lq.nn.modules._runtime_dynamic import runtime_dynamic_fake_quant
+
+ort = pytest.importorskip("onnxruntime")
+torch.set_flush_denormal(True)
+
+
+# ---------------------------------------------------------------- the activation quantizer
+def _ort_dynamic_quant_dequant():
+    g = helper.make_graph([helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "z"]),
+                           helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_the_activation_quantizer_is_onnxruntimes_rule_bit_for_bit():
+    sess = _ort_dynamic_quant_dequant()
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.zeros(7), torch.full((5,), 3.0), torch.full((5,), -2.0), torch.tensor([0.0, 1e-30, -1e-30])]
+    for k in range(120):
+        x = torch.randn(int(torch.randint(1, 2000, (), generator=g)), generator=g) * float(10 ** (k % 5 - 2))
+        cases.append(x + float(torch.randn((), generator=g)) if k % 3 else (x.abs() if k % 2 else -x.abs()))
+    for x in cases:
+        got = runtime_dynamic_fake_quant(x).numpy()
+        want = sess.run(None, {"x": x.numpy()})[0]
+        assert np.array_equal(got, want), (x[:5], got[:5], want[:5])
+
+
+def test_the_activation_quantizer_passes_the_gradient_straight_through():
+    x = torch.randn(50, requires_grad=True)
+    (runtime_dynamic_fake_quant(x) * torch.arange(50.0)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(50.0))
+
+
+# ---------------------------------------------------------------- the LSTM, against one written out in numpy
+def _dq(a: np.ndarray) -> np.ndarray:
+    """DynamicQuantizeLinear + DequantizeLinear, as the ONNX spec writes them, in float32."""
+    a = a.astype(np.float32)
+    lo, hi = np.float32(min(a.min(), 0)), np.float32(max(a.max(), 0))
+    s = np.float32(1) if hi == lo else np.float32((hi - lo) / np.float32(255))
+    zp = np.round(np.clip(-lo / s, 0, 255))
+    return ((np.clip(np.round(a / s) + zp, 0, 255) - zp) * s).astype(np.float32)
+
+
+def _sigmoid(v):
+    return 1 / (1 + np.exp(-v))
+
+
+def ref_dynamic_lstm(m: nn.LSTM, x: np.ndarray) -> np.ndarray:
+    """Output of a time-first ``x`` (T, B, F): per layer and direction, the layer's input quantized once, h at
+    every step; float weights (the weight quantizers are switched off in the test)."""
+    seq = x
+    for layer in range(m.num_layers):
+        outs = []
+        xq = _dq(seq)
+        for d in range(2 if m.bidirectional else 1):
+            sfx = f"_l{layer}" + ("_reverse" if d else "")
+            w_ih, w_hh = (getattr(m, p + sfx).detach().numpy() for p in ("weight_ih", "weight_hh"))
+            b = (getattr(m, "bias_ih" + sfx) + getattr(m, "bias_hh" + sfx)).detach().numpy()
+            h = np.zeros((x.shape[1], m.hidden_size), np.float32)
+            c = np.zeros_like(h)
+            ys = [None] * len(seq)
+            for t in (reversed(range(len(seq))) if d else range(len(seq))):
+                i, f, gg, o = np.split(xq[t] @ w_ih.T + _dq(h) @ w_hh.T + b, 4, axis=1)
+                c = _sigmoid(f) * c + _sigmoid(i) * np.tanh(gg)
+                h = _sigmoid(o) * np.tanh(c)
+                ys[t] = h
+            outs.append(np.stack(ys))
+        seq = np.concatenate(outs, -1)
+    return seq
+
+
+def test_runtime_dynamic_lstm_computes_the_written_out_reference():
+    torch.manual_seed(0)
+    f = nn.LSTM(6, 10, num_layers=2, bidirectional=True).eval()
+    q = quant_nn.QuantLSTM.from_float(f).set_runtime_dynamic(True)
+    for w in q._weight_quantizers:
+        w.disable()
+    x = torch.randn(9, 4, 6) * 2
+    with torch.no_grad():
+        got = q(x)[0].numpy()
+    want = ref_dynamic_lstm(f, x.numpy())
+    assert np.abs(got - want).max() < 1e-5
+    assert np.abs(got - f(x)[0].detach().numpy()).max() > 1e-3  # the activations really are quantized
+
+
+def test_set_runtime_dynamic_switches_the_input_quantizers_and_keeps_the_state_dict_keys():
+    q = quant_nn.QuantLSTM.from_float(nn.LSTM(4, 5, num_layers=2))
+    keys = list(q.state_dict())
+    assert all(iq.is_enabled for iq in q._input_quantizers)
+    q.set_runtime_dynamic(True)
+    assert q.runtime_dynamic and not any(iq.is_enabled for iq in q._input_quantizers)
+    assert list(q.state_dict()) == keys  # a checkpoint of either mode loads into the other
+    q.set_runtime_dynamic(False)
+    assert not q.runtime_dynamic and all(iq.is_enabled for iq in q._input_quantizers)
+
+
+def test_what_the_fused_op_cannot_run_is_refused_in_words():
+    with pytest.raises(ValueError, match="no projection"):
+        quant_nn.QuantLSTM.from_float(nn.LSTM(4, 6, proj_size=3)).set_runtime_dynamic(True)
+    q = quant_nn.QuantLSTM.from_float(nn.LSTM(4, 6)).set_runtime_dynamic(True)
+    packed = pack_padded_sequence(torch.randn(5, 2, 4), [5, 3])
+    with pytest.raises(ValueError, match="PackedSequence"):
+        q(packed)
+    with pytest.raises(ValueError, match="recurrent='x' is not allowed"):
+        quantize_model(nn.Sequential(nn.LSTM(4, 6)), recurrent="x")
+    with pytest.raises(ValueError, match="recurrent='loop' is not allowed"):
+        QuantConfig(recurrent="loop")
+
+
+# ---------------------------------------------------------------- the export
+class _Tagger(nn.Module):
+    """Per-step classes of a 2-layer bidirectional batch-first LSTM (the state returned too)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.LSTM(8, 16, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x):
+        y, (h, c) = self.rnn(x)
+        return self.head(y), h, c
+
+
+def _digit_rows(n: int) -> torch.Tensor:
+    from sklearn.datasets import load_digits
+
+    return torch.tensor(load_digits().images[:n] / 16.0, dtype=torch.float32)  # (n, 8 steps, 8)
+
+
+@pytest.mark.parametrize("recipe", [QuantConfig, Int8ReduceRangeConfig], ids=["8bit", "int8_reduce_range"])
+def test_export_is_one_fused_op_per_layer_direction_with_pytorchs_numbers(tmp_path, recipe):
+    model = _Tagger()
+    QuantSwap(recipe(recurrent="dynamic")).swap(model)
+    assert model.rnn.runtime_dynamic
+    x = _digit_rows(256)
+    model.eval()
+    with torch.no_grad():
+        calibrate_model(model, list(x.split(64)), method="max")  # the weights' and the head's quantizers
+    res = export_onnx(model, x[:32], str(tmp_path / "m.onnx"), dynamic_dims=(1,))
+    m = onnx.load(res.path)
+    ops = [n.op_type for n in all_nodes(m.graph)]
+    assert ops.count("DynamicQuantizeLSTM") == 4 and "Scan" not in ops and "LSTM" not in ops
+    weights = {i.name: i.data_type for i in m.graph.initializer if i.name.endswith(("/W", "/R"))}
+    want = TensorProto.UINT8 if recipe is QuantConfig else TensorProto.INT8  # 8-bit weights: AVX2-safe uint8
+    assert weights and set(weights.values()) == {want}
+    assert res.max_abs_diff <= res.tolerance
+    lstm = [k for k in res.layer_kernels if k.layer == "rnn"]
+    assert len(lstm) == 4 and all(k.integer and k.kernel == "DynamicQuantizeLSTM" for k in lstm)
+    assert any("DynamicQuantizeLSTM" in w for w in res.warnings)  # the thread-count caveat is said
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(res.path, so, providers=["CPUExecutionProvider"])
+    longer = torch.cat([x[200:216], x[200:216, :5]], 1)  # 13 steps: a length the export never saw
+    with torch.no_grad():
+        want_out = [t.numpy() for t in model(longer)]
+    got = sess.run(None, {res.input_names[0]: longer.numpy()})
+    for g, w in zip(got, want_out, strict=True):
+        # float sums in another order can flip a rounding tie of h's quantizer now and then (one step of h, under
+        # 1/128 of its range); otherwise the numbers are PyTorch's to float precision
+        err = np.abs(g - w)
+        assert g.shape == w.shape and err.max() < 5e-3 and err.mean() < 1e-5, (err.max(), err.mean())
+
+
+def test_export_refuses_runtimes_and_exporters_without_the_op(tmp_path):
+    model = _Tagger()
+    quantize_model(model, recurrent="dynamic")
+    x = _digit_rows(64)
+    with torch.no_grad():
+        calibrate_model(model.eval(), [x], method="max")
+    for kwargs in ({"target": "tensorrt"}, {"dynamo": False}):
+        with pytest.raises(ExportError, match="set_runtime_dynamic\\(False\\)"):
+            export_onnx(model, x[:8], str(tmp_path / "m.onnx"), **kwargs)
