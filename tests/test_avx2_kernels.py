@@ -26,7 +26,7 @@ from lq.callbacks import QuantSwap
 from lq.config import Int8ReduceRangeConfig, QuantConfig
 from lq.export import export_onnx
 
-from bench._avx2 import CPU, available, first_outputs_on_avx2
+from bench._avx2 import CPU, available, first_outputs_here, first_outputs_on_avx2
 
 from _avx2 import pmaddubsw_dot
 from _models import BNBlock, DigitsTransformer
@@ -78,6 +78,40 @@ def test_the_emulated_cpu_runs_the_saturating_avx2_kernel(tmp_path):
     assert np.abs(got_float[:, 0] - exact[:, 0] * 1e-5).min() > 1.0
 
 
+def _fused_lstm_file(path: str, q: np.ndarray, unsigned: bool) -> str:
+    """One onnxruntime DynamicQuantizeLSTM step over input ``x`` (1, 2, K) whose weights lq's writer lays out
+    from the integer rows ``q`` (4H, K), as int8 or as uint8 + 128; no recurrent weights."""
+    from lq.export._dynamic_lstm import _layout
+
+    hidden = q.shape[0] // 4
+    zp = np.full((1, 4 * hidden), 128 if unsigned else 0, np.uint8 if unsigned else np.int8)
+    scale = np.full((1, 4 * hidden), 1e-4, np.float32)
+    r = np.zeros((4 * hidden, hidden), np.int32)
+    inits = [numpy_helper.from_array(a, n) for a, n in ((_layout(q, hidden, unsigned), "W"),
+                                                        (_layout(r, hidden, unsigned), "R"), (scale, "ws"),
+                                                        (zp, "wz"), (scale, "rs"), (zp, "rz"))]
+    node = helper.make_node("DynamicQuantizeLSTM", ["x", "W", "R", "", "", "", "", "", "ws", "wz", "rs", "rz"], ["y"],
+                            domain="com.microsoft", hidden_size=hidden)
+    g = helper.make_graph([node], "lstm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, q.shape[1]])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    onnx.save(helper.make_model(g, opset_imports=opsets), path)
+    return path
+
+
+def test_the_fused_lstm_saturates_with_int8_weights_and_not_with_lqs_uint8_encoding(tmp_path):
+    """Why lq writes 8-bit LSTM weights as uint8: onnxruntime's DynamicQuantizeLSTM runs the same u8 x s8 kernel,
+    so full-range int8 weights with inputs at the top of their range saturate on AVX2 (not on VNNI CPUs)."""
+    q = np.full((16, 64), 127, np.int32)
+    x = np.ones((1, 2, 64), np.float32)
+    x[0, 1, 0] = 0.0  # the range [0, 1]: every other input quantizes to 255
+    cases = [(_fused_lstm_file(str(tmp_path / f"lstm_{u}.onnx"), q, u), [x]) for u in (False, True)]
+    here, avx2 = first_outputs_here(cases), first_outputs_on_avx2(cases)
+    np.testing.assert_allclose(here[0], here[1], rtol=1e-6)  # the same values either way here
+    np.testing.assert_allclose(avx2[1], here[1], rtol=1e-6)  # uint8: exact on AVX2 too
+    assert np.abs(avx2[0] - here[0]).max() > 0.1  # int8: pair sums saturated (0.14 where it is 0.30)
+
+
 # ---------------------------------------------------------------------------------------- real models
 def _digits():
     from sklearn.datasets import load_digits
@@ -118,11 +152,13 @@ def _calibrated(model: nn.Module, recipe: QuantConfig, batches: list) -> nn.Modu
 @pytest.mark.parametrize("recipe", [QuantConfig, Int8ReduceRangeConfig], ids=["8bit", "int8_reduce_range"])
 def test_lq_exports_give_pytorchs_numbers_on_avx2(tmp_path, recipe):
     images = _digits()
-    models = {"resnet": (_resnet(), images.unsqueeze(1)), "mha_transformer": (DigitsTransformer(), images),
-              "lstm": (_RowLSTM(), images)}
+    models = {"resnet": (_resnet(), images.unsqueeze(1), {}), "mha_transformer": (DigitsTransformer(), images, {}),
+              "lstm": (_RowLSTM(), images, {}),
+              # onnxruntime's fused DynamicQuantizeLSTM: 8-bit weights stored as uint8, 7-bit ones as int8
+              "lstm_dynamic": (_RowLSTM(), images, {"recurrent": "dynamic"})}
     cases, wants, tols = [], [], []
-    for name, (model, x) in models.items():
-        model = _calibrated(model, recipe(), [x[i:i + 64] for i in range(0, 512, 64)])
+    for name, (model, x, options) in models.items():
+        model = _calibrated(model, recipe(**options), [x[i:i + 64] for i in range(0, 512, 64)])
         res = export_onnx(model, x[:32], str(tmp_path / f"{name}.onnx"))
         assert res.max_abs_diff <= res.tolerance  # on this CPU
         test = x[1400:1464]
