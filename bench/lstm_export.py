@@ -9,7 +9,9 @@ Models (written the ordinary way, nn.LSTM, swapped to QuantLSTM by ``quantize_mo
   features -> 2-layer bidirectional nn.LSTM (hidden 128) -> per-step linear head (37 classes);
 * its recurrent part alone (BiLSTM): the same LSTM and head on (B, 64, 512) inputs.
 
-For each, with lq's default recipe (8-bit weights) and ``int8_reduce_range`` (7-bit weights): export time,
+For each, with lq's default recipe (8-bit weights, LSTMs as Scan loops), ``int8_reduce_range`` (7-bit weights,
+LSTMs as onnxruntime's fused DynamicQuantizeLSTM: ``recurrent='dynamic'``) and that recipe with the Scan loops
+(``recurrent='scan'``): export time,
 node count (loop bodies included), max |onnxruntime - PyTorch fake-quant| on the sample and on a third
 sequence length (the time axis is dynamic), the kernels onnxruntime runs for the LSTM's matmuls (from the
 export report), and onnxruntime speed at batch 32, one thread, against the FP32 export
@@ -38,6 +40,7 @@ from bench.ordinary import LQ_DEFAULT, LQ_REDUCE, LSTMClassifier, export_fp32, l
 
 FP32 = "FP32 export"
 ORT_QS = "ORT quantize_static"
+LQ_REDUCE_SCAN = "lq INT8 (int8_reduce_range, recurrent='scan')"
 
 torch.set_flush_denormal(True)
 
@@ -112,9 +115,9 @@ def run(label: str, model: nn.Module, dims: tuple, d: str, fast: bool, unrolled:
     sample = _inputs(label, 4, 100)
     paths = {FP32: os.path.join(d, "fp32.onnx")}
     row: dict = {"model": label, "lq": {}}
-    for name, rr in ((LQ_DEFAULT, False), (LQ_REDUCE, True)):
-        q = lq_ptq(model, calib, rr, method="max")  # as documented above (auto would search per layer)
-        paths[name] = p = os.path.join(d, f"lq_{int(rr)}.onnx")
+    for name, rr, recurrent in ((LQ_DEFAULT, False, None), (LQ_REDUCE_SCAN, True, "scan"), (LQ_REDUCE, True, None)):
+        q = lq_ptq(model, calib, rr, method="max", recurrent=recurrent)  # max: as documented above
+        paths[name] = p = os.path.join(d, f"lq_{int(rr)}_{recurrent}.onnx")  # recurrent None: the recipe's
         t = time.perf_counter()
         res = export_onnx(q, sample, p, dynamic_dims=dims)
         r = row["lq"][name] = {"export_s": time.perf_counter() - t, "nodes": _nodes(p), "max_diff": res.max_abs_diff,
@@ -127,9 +130,9 @@ def run(label: str, model: nn.Module, dims: tuple, d: str, fast: bool, unrolled:
         if other is not None:
             with torch.no_grad():
                 ref = q(other).numpy()
-            out = make_session(p).run(None, {"input": other.numpy()})[0]
+            out = make_session(p, intra_op_num_threads=1).run(None, {"input": other.numpy()})[0]
             r["other_length"] = (tuple(other.shape), float(np.abs(out - ref).max()))
-        if unrolled and not rr:
+        if unrolled and name == LQ_DEFAULT:
             with _unrolled():
                 pu = os.path.join(d, "unrolled.onnx")
                 t = time.perf_counter()
@@ -144,7 +147,7 @@ def run(label: str, model: nn.Module, dims: tuple, d: str, fast: bool, unrolled:
     times = ort_times(paths, xb, 1, repeats, min_time)
     row["ms"] = {k: _report.spread(v) for k, v in times.items()}
     row["vs_fp32"] = {k: _report.ratios(times[FP32], v) for k, v in times.items() if k != FP32}
-    row["vs_ort"] = {k: _report.ratios(times[ORT_QS], times[k]) for k in (LQ_DEFAULT, LQ_REDUCE)}
+    row["vs_ort"] = {k: _report.ratios(times[ORT_QS], times[k]) for k in (LQ_DEFAULT, LQ_REDUCE_SCAN, LQ_REDUCE)}
     return row
 
 
@@ -175,7 +178,7 @@ def main(argv=None) -> int:
             extra = f"  {_report.fmt_ratio(r['vs_fp32'][k])} FP32" if k in r["vs_fp32"] else ""
             if k in r["vs_ort"]:
                 extra += f", {_report.fmt_ratio(r['vs_ort'][k])} quantize_static"
-            print(f"  {k:28s} {_report.fmt_ms(v)} ms{extra}")
+            print(f"  {k:50s} {_report.fmt_ms(v)} ms{extra}")
     return 0
 
 

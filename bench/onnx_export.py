@@ -89,18 +89,18 @@ def calibration_batches(n: int = 8, batch: int = 32, seed: int = 1):
 
 
 def quantize_and_calibrate(model: nn.Module, batches, reduce_range: bool = False,
-                           method: str | None = "max") -> nn.Module:
+                           method: str | None = "max", recurrent: str | None = None) -> nn.Module:
     """lq's PTQ: quantize_model + calibration (per-tensor inputs, per-channel weights; with ``reduce_range``
     the ``Int8ReduceRangeConfig`` recipe: 7-bit weights, unsigned inputs after ReLU). ``method``: the
-    activations' calibration method, max here (this bench's tables); None: lq's default (``auto``)."""
+    activations' calibration method, max here (this bench's tables); None: lq's default (``auto``).
+    ``recurrent``: how LSTMs quantize (``QuantConfig.recurrent``; None: the recipe's)."""
     from lq.calibration import calibrate_model
-    from lq.config import Int8ReduceRangeConfig
+    from lq.config import Int8ReduceRangeConfig, QuantConfig
     from lq.convert import quantize_model
 
-    recipe = Int8ReduceRangeConfig()
-    wdesc = recipe.weight.to_descriptor() if reduce_range else None
-    quantize_model(model, quant_desc_weight=wdesc,
-                   unsigned_after_relu=reduce_range and recipe.unsigned_after_relu)
+    recipe = Int8ReduceRangeConfig() if reduce_range else QuantConfig()
+    quantize_model(model, quant_desc_weight=recipe.weight.to_descriptor() if reduce_range else None,
+                   unsigned_after_relu=recipe.unsigned_after_relu, recurrent=recurrent or recipe.recurrent)
     model.eval()
     with torch.no_grad():
         calibrate_model(model, batches, **({} if method is None else {"method": method}))

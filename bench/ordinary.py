@@ -273,11 +273,13 @@ def ort_accuracy(path: str, x, y) -> float:
 
 
 # =========================================================================== one model
-def lq_ptq(model: nn.Module, batches, reduce_range: bool, method: str | None = None) -> nn.Module:
+def lq_ptq(model: nn.Module, batches, reduce_range: bool, method: str | None = None,
+           recurrent: str | None = None) -> nn.Module:
     """lq's path as a user calls it, on a copy of ``model``: :func:`bench.onnx_export.quantize_and_calibrate` with
     lq's default calibration (``method=None``: ``auto``; max calibration left the P-Net 0.83 point under FP32,
     auto 0.28), or the activation ``method`` given."""
-    return quantize_and_calibrate(copy.deepcopy(model), batches, reduce_range=reduce_range, method=method)
+    return quantize_and_calibrate(copy.deepcopy(model), batches, reduce_range=reduce_range, method=method,
+                                  recurrent=recurrent)
 
 
 def export_fp32(model: nn.Module, path: str, sample) -> None:
@@ -348,7 +350,7 @@ def _on_avx2(row: dict, paths: dict, feeds, quality) -> None:
 
 def _count_kernels(row: dict, name: str, res, export_s: float) -> None:
     """From the export report: how many quantized conv/linear layers run an integer kernel, and why not."""
-    lk = [k for k in res.layer_kernels if k.op in ("Conv", "ConvTranspose", "Gemm", "MatMul")]
+    lk = [k for k in res.layer_kernels if k.op in ("Conv", "ConvTranspose", "Gemm", "MatMul", "DynamicQuantizeLSTM")]
     row.setdefault("kernels", {})[name] = {
         "integer": sum(k.integer for k in lk), "layers": len(lk), "by_choice": sum(k.by_choice for k in lk),
         "float": [f"{k.layer}: {k.kernel} ({k.reason})" for k in lk if not k.integer]}
@@ -511,7 +513,7 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float) -> Pat
                                                                     if v.get("by_choice") else "")
                                  for v in r.get("kernels", {}).values()) or "-"])
     lines.append(_report.table(["model", "FP32 acc"] + [f"{c}: speed-up, acc" for c in contenders]
-                               + ["integer conv/linear (8-bit; rr)"], body, "lr" + "r" * (len(contenders) + 1)))
+                               + ["integer conv/linear/LSTM (8-bit; rr)"], body, "lr" + "r" * (len(contenders) + 1)))
     avx2 = [r for r in rows if r.get("acc_avx2")]
     if avx2:
         lines += ["", f"## The same files on an AVX2-only CPU ({_avx2_cpu()})", "",
