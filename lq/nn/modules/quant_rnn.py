@@ -77,7 +77,11 @@ def lstm_step(x, h, c, w_ih, w_hh, b_ih, b_hh, input_quantizer):
     """One LSTM step on 2-D ``x``/``h``/``c``; ``w_ih``/``w_hh`` are already quantized.
     ``[x | h]`` is quantized as one tensor by ``input_quantizer``. Returns ``(h', c')``."""
     x, h = quantize_side_by_side(input_quantizer, [x, h])
-    gates = F.linear(x, w_ih, b_ih) + F.linear(h, w_hh, b_hh)
+    return _cell(F.linear(x, w_ih, b_ih) + F.linear(h, w_hh, b_hh), c)
+
+
+def _cell(gates, c):
+    """``(h', c')`` from the gate pre-activations (torch's order i, f, g, o) and the cell state."""
     i, f, g, o = gates.chunk(4, 1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     return torch.sigmoid(o) * torch.tanh(c), c
@@ -89,9 +93,7 @@ def runtime_dynamic_step(x_q, h, c, w_ih, w_hh, b_ih, b_hh):
     gates = F.linear(x_q, w_ih) + F.linear(runtime_dynamic_fake_quant(h), w_hh)
     if b_ih is not None:
         gates = gates + (b_ih + b_hh)
-    i, f, g, o = gates.chunk(4, 1)
-    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    return torch.sigmoid(o) * torch.tanh(c), c
+    return _cell(gates, c)
 
 
 @quant_class
@@ -196,6 +198,9 @@ class QuantLSTM(nn.LSTM, QuantMixin):
                 q.disable() if on else q.enable()
         self.runtime_dynamic = bool(on)
         return self
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", runtime_dynamic=True" if self.runtime_dynamic else "")
 
     def _direction(self, steps, h, c, idx, reverse):
         """Run layer-direction ``idx`` over ``steps`` (2-D step inputs in time order, the batch
