@@ -26,6 +26,7 @@ from lq.convert import quantize_model
 from lq.export import ExportError, export_onnx
 from lq.export._ir import all_nodes
 from lq.nn.modules._runtime_dynamic import runtime_dynamic_fake_quant
+from lq.zoo import DigitsDataModule, SmallCNN
 
 ort = pytest.importorskip("onnxruntime")
 torch.set_flush_denormal(True)
@@ -200,3 +201,47 @@ def test_export_refuses_runtimes_and_exporters_without_the_op(tmp_path):
     for kwargs in ({"target": "tensorrt"}, {"dynamo": False}):
         with pytest.raises(ExportError, match="set_runtime_dynamic\\(False\\)"):
             export_onnx(model, x[:8], str(tmp_path / "m.onnx"), **kwargs)
+
+
+# ---------------------------------------------------------------- through the Lightning callback
+class LSTMDigits(SmallCNN):
+    """The zoo's digits LightningModule with its network replaced: the 8 rows as steps of a 2-layer LSTM."""
+
+    def __init__(self, hidden: int = 24, **kw):
+        super().__init__(**kw)
+        self.save_hyperparameters()
+        del self.stem, self.block, self.down, self.pool
+        self.rnn = nn.LSTM(8, hidden, num_layers=2, batch_first=True)
+        self.head = nn.Linear(hidden, 10)
+
+    def forward(self, x):
+        return self.head(self.rnn(x.reshape(x.shape[0], 8, 8))[0][:, -1])
+
+
+def test_callback_trains_checkpoints_and_exports_the_fused_lstm(tmp_path):
+    """int8_reduce_range through QuantCallback: QAT runs through the dynamic quantizer, the checkpoint brings
+    the mode back (it is part of the stored recipe), the export is the fused op."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import lq
+    from lq.config import ExportConfig
+
+    dm = DigitsDataModule(batch_size=64)
+    dm.setup()
+    L.seed_everything(0)
+    model = LSTMDigits(max_epochs_hint=1)
+    cb = lq.QuantCallback(quant="int8_reduce_range", export=ExportConfig(path="lstm.onnx"), verbose=False)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    before = model.rnn.weight_hh_l0.detach().clone()
+    L.Trainer(max_epochs=1, limit_train_batches=4, limit_val_batches=2, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, default_root_dir=str(tmp_path), accelerator="cpu",
+              callbacks=[cb, ckpt]).fit(model, datamodule=dm)
+    assert model.rnn.runtime_dynamic and not torch.equal(model.rnn.weight_hh_l0, before)  # QAT trained it
+    ops = [n.op_type for n in all_nodes(onnx.load(str(tmp_path / "lstm.onnx")).graph)]
+    assert ops.count("DynamicQuantizeLSTM") == 2 and cb.exporter.result.max_abs_diff <= cb.exporter.result.tolerance
+    x = dm.arrays("test")[0][:32]
+    model.eval()
+    loaded = lq.load_quantized(LSTMDigits, ckpt.last_model_path)
+    assert loaded.rnn.runtime_dynamic
+    assert torch.equal(loaded(x), model(x))
