@@ -192,6 +192,34 @@ def test_export_is_one_fused_op_per_layer_direction_with_pytorchs_numbers(tmp_pa
         assert g.shape == w.shape and err.max() < 5e-3 and err.mean() < 1e-5, (err.max(), err.mean())
 
 
+class _Stateful(nn.Module):
+    """An LSTM without biases that takes its initial state as inputs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.LSTM(8, 16, num_layers=2, bias=False)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x, h0, c0):
+        y, (h, c) = self.rnn(x, (h0, c0))
+        return self.head(y), h
+
+
+def test_export_with_per_tensor_weights_no_bias_and_a_given_state(tmp_path):
+    from lq.config import Int8PerTensorConfig
+
+    model = _Stateful().eval()
+    quantize_model(model, recurrent="dynamic", quant_desc_weight=Int8PerTensorConfig().weight.to_descriptor())
+    g = torch.Generator().manual_seed(1)
+    args = (_digit_rows(64).transpose(0, 1), torch.randn(2, 64, 16, generator=g), torch.randn(2, 64, 16, generator=g))
+    with torch.no_grad():
+        calibrate_model(model, [args], method="max", forward=lambda m, batch: m(*batch))
+    res = export_onnx(model, args, str(tmp_path / "m.onnx"), dynamic_batch=False)
+    ops = [n.op_type for n in onnx.load(res.path).graph.node]
+    assert ops.count("DynamicQuantizeLSTM") == 2 and res.max_abs_diff < 1e-4  # no later quantizer: float noise
+
+
 def test_export_refuses_runtimes_and_exporters_without_the_op(tmp_path):
     model = _Tagger()
     quantize_model(model, recurrent="dynamic")

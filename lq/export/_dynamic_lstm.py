@@ -96,9 +96,9 @@ def _int_weight(g: Graph, prod: dict, name: str, layer: str) -> tuple[np.ndarray
     zp = g.const(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
     if zp is not None and np.any(zp != 0):  # pragma: no cover - lq's weight quantizers are symmetric
         raise ExportError(f"QuantLSTM '{layer}': a weight zero point other than 0 cannot be written")
-    scale = np.broadcast_to(scale, (q.shape[0],)) if scale.size == 1 else scale
-    if attr(dq, "axis", 1) not in (0, -2) and scale.size != 1:  # pragma: no cover - per-row quantizers use axis 0
+    if scale.size != 1 and attr(dq, "axis", 1) not in (0, -2):  # pragma: no cover - per-row quantizers: axis 0
         raise ExportError(f"QuantLSTM '{layer}': a weight scale along axis {attr(dq, 'axis', 1)} cannot be written")
+    scale = np.broadcast_to(scale, (q.shape[0],)) if scale.size == 1 else scale  # per tensor: one per row alike
     return q.astype(np.int32), np.ascontiguousarray(scale, dtype=np.float32)
 
 
