@@ -10,6 +10,8 @@ what the op cannot run, in words that say what to do.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import onnx
 import pytest
@@ -113,15 +115,33 @@ def test_runtime_dynamic_lstm_computes_the_written_out_reference():
     assert np.abs(got - f(x)[0].detach().numpy()).max() > 1e-3  # the activations really are quantized
 
 
-def test_set_runtime_dynamic_switches_the_input_quantizers_and_keeps_the_state_dict_keys():
-    q = quant_nn.QuantLSTM.from_float(nn.LSTM(4, 5, num_layers=2))
-    keys = list(q.state_dict())
+def test_set_runtime_dynamic_switches_the_input_quantizers_and_the_state_dict_carries_the_mode():
+    torch.manual_seed(0)
+    f = nn.LSTM(4, 5, num_layers=2)
+    q = quant_nn.QuantLSTM.from_float(f)
     assert all(iq.is_enabled for iq in q._input_quantizers)
+    x = torch.randn(6, 3, 4)
+    with torch.no_grad():
+        calibrate_model(q, [x], method="max", forward=lambda m, b: m(b)[0])
+        static = q(x)[0]
+    scan_state = copy.deepcopy(q.state_dict())
     q.set_runtime_dynamic(True)
     assert q.runtime_dynamic and not any(iq.is_enabled for iq in q._input_quantizers)
-    assert list(q.state_dict()) == keys  # a checkpoint of either mode loads into the other
+    with torch.no_grad():
+        dynamic = q(x)[0]
+    dynamic_state = copy.deepcopy(q.state_dict())
+    assert "_runtime_dynamic" in dynamic_state and "_runtime_dynamic" not in scan_state
+    # loading a state dict sets the mode it was saved in: no silent mix of one mode's model and the other's
+    other = quant_nn.QuantLSTM.from_float(f)
+    other.load_state_dict(dynamic_state)
+    with torch.no_grad():
+        assert other.runtime_dynamic and torch.equal(other(x)[0], dynamic)
+        other.load_state_dict(scan_state)
+        assert not other.runtime_dynamic and all(iq.is_enabled for iq in other._input_quantizers)
+        assert torch.equal(other(x)[0], static)
     q.set_runtime_dynamic(False)
     assert not q.runtime_dynamic and all(iq.is_enabled for iq in q._input_quantizers)
+    assert list(q.state_dict()) == list(scan_state)
 
 
 def test_what_the_fused_op_cannot_run_is_refused_in_words():
@@ -174,6 +194,8 @@ def test_export_is_one_fused_op_per_layer_direction_with_pytorchs_numbers(tmp_pa
     weights = {i.name: i.data_type for i in m.graph.initializer if i.name.endswith(("/W", "/R"))}
     want = TensorProto.UINT8 if recipe is QuantConfig else TensorProto.INT8  # 8-bit weights: AVX2-safe uint8
     assert weights and set(weights.values()) == {want}
+    assert ("rnn" in res.uint8_weights) == (want == TensorProto.UINT8)  # and the export says so, once
+    assert res.uint8_weights.count("rnn") <= 1
     assert res.max_abs_diff <= res.tolerance
     lstm = [k for k in res.layer_kernels if k.layer == "rnn"]
     assert len(lstm) == 4 and all(k.integer and k.kernel == "DynamicQuantizeLSTM" for k in lstm)
@@ -186,10 +208,11 @@ def test_export_is_one_fused_op_per_layer_direction_with_pytorchs_numbers(tmp_pa
         want_out = [t.numpy() for t in model(longer)]
     got = sess.run(None, {res.input_names[0]: longer.numpy()})
     for g, w in zip(got, want_out, strict=True):
-        # float sums in another order can flip a rounding tie of h's quantizer now and then (one step of h, under
-        # 1/128 of its range); otherwise the numbers are PyTorch's to float precision
+        # float sums in another order (and onnxruntime's own sigmoid/tanh) can tip a rounding tie of h's quantizer
+        # the other way now and then: one step of h (1/255 of its range) that the recurrence carries on; otherwise
+        # the numbers are PyTorch's to float precision (a wrong gate order or scale is off by ~0.1 on average)
         err = np.abs(g - w)
-        assert g.shape == w.shape and err.max() < 5e-3 and err.mean() < 1e-5, (err.max(), err.mean())
+        assert g.shape == w.shape and err.max() < 2e-2 and err.mean() < 2e-4, (err.max(), err.mean())
 
 
 class _Stateful(nn.Module):
@@ -218,6 +241,22 @@ def test_export_with_per_tensor_weights_no_bias_and_a_given_state(tmp_path):
     res = export_onnx(model, args, str(tmp_path / "m.onnx"), dynamic_batch=False)
     ops = [n.op_type for n in onnx.load(res.path).graph.node]
     assert ops.count("DynamicQuantizeLSTM") == 2 and res.max_abs_diff < 1e-4  # no later quantizer: float noise
+
+
+def test_an_unrolled_lstm_says_why_its_length_is_fixed_and_a_packed_sample_is_refused(tmp_path):
+    model = _Tagger()
+    quantize_model(model)  # the Scan form, which only the current exporter writes as a loop
+    x = _digit_rows(64)
+    with torch.no_grad():
+        calibrate_model(model.eval(), [x], method="max")
+    res = export_onnx(model, x[:8], str(tmp_path / "legacy.onnx"), dynamo=False)
+    assert any("'rnn' is exported unrolled" in w and "legacy exporter" in w for w in res.warnings)
+    with pytest.raises(ExportError, match="sequence length is fixed in the file: QuantLSTM 'rnn' is exported unrolled"):
+        export_onnx(model, x[:8], str(tmp_path / "legacy.onnx"), dynamo=False, dynamic_dims=(1,))
+    packed = pack_padded_sequence(x[:4], [8, 8, 6, 5], batch_first=True)
+    with pytest.raises(ExportError, match=r"PackedSequence sample cannot be exported.*\(B, T, F\)") as e:
+        export_onnx(model.rnn, packed, str(tmp_path / "packed.onnx"))
+    assert "\n" not in str(e.value)
 
 
 def test_export_refuses_runtimes_and_exporters_without_the_op(tmp_path):

@@ -39,9 +39,10 @@ def gate_rows(a: np.ndarray, hidden: int) -> np.ndarray:
     return np.concatenate([a[k * hidden:(k + 1) * hidden] for k in ONNX_GATES])
 
 
-def write_dynamic_lstms(g: Graph) -> list[str]:
+def write_dynamic_lstms(g: Graph) -> list[tuple[str, bool]]:
     """Every ``DynamicLSTM`` placeholder of ``g`` -> Unsqueeze (state) + ``DynamicQuantizeLSTM`` + Squeeze
-    (outputs); returns the layers written. Runs after lowering (the weights must be integer constants)."""
+    (outputs); returns ``(layer, weights stored as uint8)`` of each. Runs after lowering (the weights must be
+    integer constants)."""
     done = []
     prod = g.producers()
     for n in list(g.nodes):
@@ -77,7 +78,7 @@ def write_dynamic_lstms(g: Graph) -> list[str]:
                 new.append(g.make_node("Squeeze", [src, axis], [dst], hint=f"{layer}/Squeeze", like=n))
         i = g.nodes.index(n)
         g.nodes[i:i + 1] = new
-        done.append(layer)
+        done.append((layer, bool(unsigned)))
     if done:
         drop_unread(g, lambda m: m.op_type == "DequantizeLinear")
         if not any(o.domain == MS_DOMAIN for o in g.model.opset_import):

@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import onnx
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from lq.export import (_channel_affine, _dynamic_lstm, _finish, _float_convs, _float_twin, _fold_bn, _fold_constants,
                        _gelu_order, _int16, _kernel_report, _linear_gemm, _loop_ops, _loops, _lower, _mean_first,
@@ -163,6 +164,10 @@ def export_onnx(
             "Calibrate them first (or load a calibrated state_dict, set a fixed amax in the QuantDescriptor, "
             "or disable them) before exporting.")
 
+    if isinstance(sample_input, PackedSequence) or any(isinstance(a, PackedSequence) for a in
+                                                       _torch_onnx.as_tuple(sample_input)):
+        raise ExportError("a PackedSequence sample cannot be exported (its batch sizes are data; ONNX has no packed "
+                          "sequences): export with the padded tensor, (B, T, F) for batch_first=True, else (T, B, F)")
     args = tuple(a.detach().cpu().float() if isinstance(a, torch.Tensor) and a.is_floating_point() else
                  (a.detach().cpu() if isinstance(a, torch.Tensor) else a) for a in _torch_onnx.as_tuple(sample_input))
     device_type = next((p.device.type for p in model.parameters()), "cpu")
@@ -206,9 +211,10 @@ def export_onnx(
     try:
         # a QuantLSTM traces as one placeholder per layer and direction (not one step per time step): the
         # current exporter only (the legacy one has no translation for it and keeps the unrolled steps)
-        loops = _loop_ops.loop_mode(work) if dynamo else contextlib.nullcontext([])
+        loops = _loop_ops.loop_mode(work) if dynamo else contextlib.nullcontext(_loop_ops.legacy_notes(work))
         with torch.no_grad(), _model_checks.export_mode(work), loops as loop_notes:
             notes.extend(loop_notes)
+            unrolled = list(loop_notes)  # QuantLSTMs written one step per time step: fixed sequence length
             if dynamo:
                 proto = _torch_onnx.export_dynamo(work, args, opset, input_names, output_names, dims)
             else:
@@ -236,7 +242,10 @@ def export_onnx(
         _fold_constants.fold_constants(g)
         _lower.lower_placeholders(g, lower_opts, infos)
         _lower.fold_weight_quantize(g)
-        dynamic_lstms.extend(_dynamic_lstm.write_dynamic_lstms(g))
+        for layer, unsigned in _dynamic_lstm.write_dynamic_lstms(g):
+            dynamic_lstms.append(layer)
+            if unsigned:
+                u8_weights.append(layer)
         if fold_bn:
             folds.extend(_fold_bn.fold_batchnorm(g))
         _finish.split_weight_dq(g)
@@ -278,6 +287,7 @@ def export_onnx(
     layer_of = {n.name: layer_name(n) for n in all_nodes(proto.graph)}
     unfused = _kernel_report.unfused_layers(proto, layer_of) if target == "onnxruntime" else []
     risks = _int16.int16_risks(proto)  # before the metadata goes: it names the layers
+    u8_weights = list(dict.fromkeys(u8_weights))  # a layer once, not once per weight (an LSTM has several)
     if u8_weights:
         shown = ", ".join(u8_weights[:6]) + (f" and {len(u8_weights) - 6} more" if len(u8_weights) > 6 else "")
         notes.append(f"{len(u8_weights)} layer(s) with 8-bit weights ({shown}) run on onnxruntime's uint8 x uint8 "
@@ -285,10 +295,13 @@ def export_onnx(
                      "are the same): the int8_reduce_range recipe (7-bit weights, used in calibration and QAT too) "
                      "keeps the faster uint8 x int8 kernels on every CPU")
     if dynamic_lstms:
-        notes.append(f"{len(dynamic_lstms)} LSTM layer-direction(s) ({', '.join(dict.fromkeys(dynamic_lstms))}) run as "
-                     "onnxruntime's fused DynamicQuantizeLSTM, which quantizes h at every step from h itself: with "
-                     "one intra-op thread it computes what PyTorch does (verified so); with more, each thread "
-                     "quantizes its share of the batch on its own, so results move by a fraction of a step")
+        layers = ", ".join(dict.fromkeys(dynamic_lstms))
+        notes.append(f"{len(dynamic_lstms)} LSTM layer-direction(s) ({layers}) run as "
+                     "onnxruntime's fused DynamicQuantizeLSTM, which quantizes h at every step from h itself. On one "
+                     "intra-op thread it computes what PyTorch does up to float rounding (now and then a rounding tie "
+                     "of h falls the other way, and the steps after carry it; verified so); with more threads each "
+                     "quantizes its share of the batch with its own scale, which moves results by a few steps of h "
+                     "(bench.ordinary's LSTM: logits up to 0.06 apart at 2 threads, 0.013 at one; same predictions)")
     if not keep_metadata:
         _finish.strip_metadata(proto)
     _finish.remove_placeholder_opset(proto)
@@ -340,8 +353,11 @@ def export_onnx(
             except Exception as e:
                 _save_unverified(proto, path)
                 shape = [tuple(a.shape) for a in inputs if isinstance(a, torch.Tensor)]
+                fixed = unrolled if inputs is not args else []  # a grown input failed: say what fixes its size
                 raise ExportError(f"onnxruntime could not run the exported model on input shape(s) {shape}: "
-                                  f"{_short(e)} (saved as {_unverified(path)} for inspection)") from e
+                                  f"{_short(e)} (saved as {_unverified(path)} for inspection)"
+                                  + (f". The sequence length is fixed in the file: {'; '.join(fixed)}" if fixed
+                                     else "")) from e
             bad_ort = _verify.nonfinite_report(ort_out, output_names)
             if bad_ort:
                 _save_unverified(proto, path)

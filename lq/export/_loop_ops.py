@@ -93,8 +93,7 @@ def loop_mode(model: torch.nn.Module) -> Iterator[list[str]]:
             continue
         why = m._loop_export_blocker()
         if why:
-            notes.append(f"QuantLSTM '{name}' is exported unrolled (one copy of its step per time step, fixed "
-                         f"sequence length): {why}")
+            notes.append(unrolled_note(name, why))
         else:
             m._export_as_loop = True
             switched.append(m)
@@ -103,6 +102,19 @@ def loop_mode(model: torch.nn.Module) -> Iterator[list[str]]:
     finally:
         for m in switched:
             del m._export_as_loop
+
+
+def unrolled_note(name: str, why: str) -> str:
+    return (f"QuantLSTM '{name}' is exported unrolled (one copy of its step per time step, fixed sequence length): "
+            f"{why}")
+
+
+def legacy_notes(model: torch.nn.Module) -> list[str]:
+    """The notes of :func:`loop_mode` for the legacy exporter, which writes every ``QuantLSTM`` unrolled."""
+    from lq.nn.modules.quant_rnn import QuantLSTM
+
+    return [unrolled_note(name, "the legacy exporter (dynamo=False) has no loop form; the current one has")
+            for name, m in model.named_modules() if isinstance(m, QuantLSTM)]
 
 
 def runtime_dynamic_layers(model: torch.nn.Module) -> list[str]:

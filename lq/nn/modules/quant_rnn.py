@@ -153,6 +153,9 @@ class QuantLSTM(nn.LSTM, QuantMixin):
     #: and zero point taken from that tensor itself (:mod:`lq.nn.modules._runtime_dynamic`); the weights keep
     #: their (calibrated, per-row) quantizers, the input quantizers are not used
     runtime_dynamic = False
+    #: the state_dict entry that carries :attr:`runtime_dynamic` (present only when it is on): loading a state
+    #: dict sets the mode it was saved in, so a checkpoint reproduces its model's numbers either way
+    _MODE_KEY = "_runtime_dynamic"
 
     @property
     def _num_directions(self) -> int:
@@ -197,7 +200,15 @@ class QuantLSTM(nn.LSTM, QuantMixin):
             for q in self._input_quantizers:
                 q.disable() if on else q.enable()
         self.runtime_dynamic = bool(on)
+        if on:
+            self.register_buffer(self._MODE_KEY, torch.ones((), dtype=torch.bool, device=self.weight_ih_l0.device))
+        else:
+            self._buffers.pop(self._MODE_KEY, None)
         return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self.set_runtime_dynamic(prefix + self._MODE_KEY in state_dict)  # the mode the state was saved in
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", runtime_dynamic=True" if self.runtime_dynamic else "")
@@ -279,12 +290,14 @@ class QuantLSTM(nn.LSTM, QuantMixin):
 
     def forward(self, input, hx=None):
         packed = isinstance(input, PackedSequence)
+        layout = "(B, T, F)" if self.batch_first else "(T, B, F)"
         if packed and self.runtime_dynamic:
-            raise ValueError("QuantLSTM with runtime_dynamic activations takes a padded (T, B, F) tensor, not a "
-                             "PackedSequence: onnxruntime quantizes the whole padded sequence at once")
+            raise ValueError(f"QuantLSTM with runtime_dynamic activations takes the padded {layout} tensor, not a "
+                             "PackedSequence: onnxruntime's fused LSTM quantizes the whole padded sequence at once "
+                             "(set_runtime_dynamic(False), recurrent='scan', runs a PackedSequence in PyTorch)")
         if packed and self._export_as_loop:
             raise ValueError("QuantLSTM: a PackedSequence input cannot be exported (its batch sizes are data); "
-                             "export with the padded (T, B, F) tensor instead")
+                             f"export with the padded {layout} tensor instead")
         if packed:
             seq, batch_sizes = input.data, input.batch_sizes.tolist()
             batched, batch = True, batch_sizes[0]
