@@ -22,6 +22,7 @@ from onnx import helper
 from lq.export._ir import ExportError, Graph, attr, drop_unread, layer_name
 from lq.export._loop_ops import DYNAMIC_LSTM
 from lq.export._symbolic import DOMAIN
+from lq.export._verify import RUNTIME_QUANTIZED_LSTM
 
 MS_DOMAIN = "com.microsoft"
 #: torch's gate blocks (i, f, g, o) in the order of ONNX's LSTM (i, o, f, c)
@@ -70,7 +71,7 @@ def write_dynamic_lstms(g: Graph) -> list[tuple[str, bool]]:
                    g.add_const(f"{layer}/R_scale", gate_rows(rs, hidden)[None]),
                    g.add_const(f"{layer}/R_zero_point", zp)]
         y4, yh, yc = (g.fresh(f"{layer}/{k}") for k in ("Y", "Y_h", "Y_c"))
-        new.append(g.make_node("DynamicQuantizeLSTM", inputs, [y4, yh, yc], hint=f"{layer}/DynamicQuantizeLSTM",
+        new.append(g.make_node(RUNTIME_QUANTIZED_LSTM, inputs, [y4, yh, yc], hint=f"{layer}/DynamicQuantizeLSTM",
                                domain=MS_DOMAIN, like=n, hidden_size=hidden,
                                direction="reverse" if int(attr(n, "reverse", 0)) else "forward"))
         for src, dst, axis in ((y4, n.output[0], axis1), (yh, n.output[1], axis0), (yc, n.output[2], axis0)):

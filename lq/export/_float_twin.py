@@ -107,10 +107,9 @@ def _lstm_parts(g: Graph, prod: dict, n):
     """``(x, W_ih (4H, F), W_hh, b_ih, b_hh)`` of a recurrent placeholder (None for a missing bias), or None
     where the twin cannot be the ONNX ``LSTM`` op (a projection, an input projection it cannot read)."""
     read = lambda v: _constant(g, prod, v) if v else None  # noqa: E731
-    if n.op_type == DYNAMIC_LSTM:
-        ins = list(n.input) + [""] * (7 - len(n.input))
-        return ins[0], read(ins[3]), read(ins[4]), read(ins[5]), read(ins[6])
     ins = list(n.input) + [""] * (7 - len(n.input))
+    if n.op_type == DYNAMIC_LSTM:
+        return ins[0], read(ins[3]), read(ins[4]), read(ins[5]), read(ins[6])
     xw, w_hh, b_hh, w_hr = ins[0], ins[4], ins[5], ins[6]
     found = _projection(g, prod, xw)
     if w_hr or found is None:

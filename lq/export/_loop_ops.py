@@ -60,9 +60,14 @@ def lstm_scan(xw: Tensor, h0: Tensor, c0: Tensor, h_q: Tensor, w_hh: Tensor, b_h
                        "call the QuantLSTM module itself")
 
 
+def _layer_outputs(x, h0, c0):
+    """Shapes of a recurrent placeholder's outputs: ``(T, B, H)`` from ``x``'s ``(T, B)``, and the final state."""
+    return x.new_empty(x.shape[0], x.shape[1], h0.shape[-1]), torch.empty_like(h0), torch.empty_like(c0)
+
+
 @lstm_scan.register_fake
 def _(xw, h0, c0, h_q, w_hh, b_hh, w_hr, reverse, hidden_size):
-    return xw.new_empty(xw.shape[0], xw.shape[1], h0.shape[-1]), torch.empty_like(h0), torch.empty_like(c0)
+    return _layer_outputs(xw, h0, c0)
 
 
 @torch.library.custom_op("lq_export::dynamic_lstm", mutates_args=())
@@ -76,7 +81,7 @@ def dynamic_lstm(x: Tensor, h0: Tensor, c0: Tensor, w_ih: Tensor, w_hh: Tensor, 
 
 @dynamic_lstm.register_fake
 def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, reverse, hidden_size):
-    return x.new_empty(x.shape[0], x.shape[1], h0.shape[-1]), torch.empty_like(h0), torch.empty_like(c0)
+    return _layer_outputs(x, h0, c0)
 
 
 @contextlib.contextmanager

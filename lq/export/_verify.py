@@ -9,13 +9,13 @@ from collections import Counter
 import numpy as np
 
 #: onnxruntime ops that mean "this ran as a real integer kernel"
-INT8_KERNELS = ("QLinearConv", "QLinearMatMul", "QLinearAdd", "QGemm", "QLinearMul", "QLinearConcat",
-                "QLinearAveragePool", "QLinearGlobalAveragePool", "MatMulIntegerToFloat", "ConvInteger",
-                "MatMulInteger", "DynamicQuantizeMatMul", "QLinearLeakyRelu", "QLinearSigmoid", "QLinearSoftmax",
-                "MatMulNBits", "DynamicQuantizeLSTM")
 #: onnxruntime's fused LSTM that quantizes its activations itself, from each GEMM's input: its numbers depend
 #: on how many threads split the batch, so a file holding it is verified with one (what PyTorch computes)
 RUNTIME_QUANTIZED_LSTM = "DynamicQuantizeLSTM"
+INT8_KERNELS = ("QLinearConv", "QLinearMatMul", "QLinearAdd", "QGemm", "QLinearMul", "QLinearConcat",
+                "QLinearAveragePool", "QLinearGlobalAveragePool", "MatMulIntegerToFloat", "ConvInteger",
+                "MatMulInteger", "DynamicQuantizeMatMul", "QLinearLeakyRelu", "QLinearSigmoid", "QLinearSoftmax",
+                "MatMulNBits", RUNTIME_QUANTIZED_LSTM)
 
 
 def _ort():

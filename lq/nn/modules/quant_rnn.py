@@ -151,11 +151,14 @@ class QuantLSTM(nn.LSTM, QuantMixin):
     #: activations quantized as onnxruntime's fused ``DynamicQuantizeLSTM`` does it (set with
     #: :meth:`set_runtime_dynamic`): each layer's input sequence and every step's ``h`` to uint8 with a scale
     #: and zero point taken from that tensor itself (:mod:`lq.nn.modules._runtime_dynamic`); the weights keep
-    #: their (calibrated, per-row) quantizers, the input quantizers are not used
-    runtime_dynamic = False
-    #: the state_dict entry that carries :attr:`runtime_dynamic` (present only when it is on): loading a state
-    #: dict sets the mode it was saved in, so a checkpoint reproduces its model's numbers either way
+    #: their (calibrated, per-row) quantizers, the input quantizers are not used. The mode IS this buffer
+    #: (present only when on), so the state_dict carries it: loading a state dict sets the mode it was saved
+    #: in, and a checkpoint reproduces its model's numbers either way
     _MODE_KEY = "_runtime_dynamic"
+
+    @property
+    def runtime_dynamic(self) -> bool:
+        return self._MODE_KEY in self._buffers
 
     @property
     def _num_directions(self) -> int:
@@ -196,14 +199,14 @@ class QuantLSTM(nn.LSTM, QuantMixin):
         if on and self.proj_size > 0:
             raise ValueError("QuantLSTM.set_runtime_dynamic: onnxruntime's DynamicQuantizeLSTM has no projection; "
                              f"proj_size={self.proj_size} is allowed only with the input quantizers (on=False)")
-        if bool(on) != self.runtime_dynamic:
-            for q in self._input_quantizers:
-                q.disable() if on else q.enable()
-        self.runtime_dynamic = bool(on)
+        if bool(on) == self.runtime_dynamic:
+            return self
+        for q in self._input_quantizers:
+            q.disable() if on else q.enable()
         if on:
             self.register_buffer(self._MODE_KEY, torch.ones((), dtype=torch.bool, device=self.weight_ih_l0.device))
         else:
-            self._buffers.pop(self._MODE_KEY, None)
+            del self._buffers[self._MODE_KEY]
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
