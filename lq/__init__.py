@@ -11,6 +11,7 @@ light.
 """
 
 from importlib import import_module
+from importlib.util import find_spec
 
 from lq import _ext, tensor_quant  # noqa: F401  (tensor_quant defines torch.ops.lq; nothing is built here)
 
@@ -52,10 +53,15 @@ __all__ = ["tensor_quant", "extension_loaded", "__version__", *_LAZY]
 
 
 def __getattr__(name: str):
+    """The names above, and every subpackage/module of lq (``lq.callbacks``, ``lq.export``, ``lq.zoo`` ...), on
+    first use: ``import lq`` then any dotted path the README shows resolves without a second import."""
     if name in _LAZY:
         module, attr = _LAZY[name]
         value = import_module(module)
         value = getattr(value, attr) if attr else value
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'lq' has no attribute {name!r}")
+    elif not name.startswith("__") and find_spec(f"{__name__}.{name}") is not None:
+        value = import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module 'lq' has no attribute {name!r}")
+    globals()[name] = value
+    return value

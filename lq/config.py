@@ -375,7 +375,8 @@ class ExportConfig:
     Attributes:
         enabled: export at ``on_fit_end`` (rank zero).
         path: output file; relative paths go under the trainer's ``default_root_dir``.
-        opset: ONNX opset (>= 13 for per-channel axis, >= 19 for FP8, >= 21 for blocks).
+        opset: ONNX opset, 13..23 (>= 19 for FP8, >= 21 for blocks); None: the one the exporter writes (18 for
+            ``dynamo``, 17 for ``legacy``), raised to what the quantizers need.
         exporter: ``dynamo`` (the current torch.onnx exporter) or ``legacy`` (TorchScript based).
         fold_bn: fold BatchNorm into the preceding conv/linear in the exported copy.
         verify: run the exported model in onnxruntime on a sample batch and compare with PyTorch.
@@ -392,7 +393,7 @@ class ExportConfig:
 
     enabled: bool = True
     path: str = "model_int8.onnx"
-    opset: int = 17
+    opset: Optional[int] = None
     exporter: str = "dynamo"
     fold_bn: bool = True
     verify: bool = True
@@ -410,8 +411,10 @@ class ExportConfig:
         self.dynamic_dims = list(self.dynamic_dims)
         _choice(owner, "exporter", self.exporter, EXPORTERS)
         _choice(owner, "target", self.target, EXPORT_TARGETS)
-        if isinstance(self.opset, bool) or not isinstance(self.opset, int) or not 13 <= self.opset <= 23:
-            raise ValueError(f"{owner}.opset={self.opset!r} is not allowed: expected an int in [13, 23]")
+        if self.opset is not None and (isinstance(self.opset, bool) or not isinstance(self.opset, int)
+                                       or not 13 <= self.opset <= 23):
+            raise ValueError(f"{owner}.opset={self.opset!r} is not allowed: expected None (the exporter's own) or an "
+                             "int in [13, 23]")
         _positive(owner, "tolerance", self.tolerance, allow_none=True)
         if not isinstance(self.path, str) or not self.path.endswith(".onnx"):
             raise ValueError(f"{owner}.path={self.path!r} is not allowed: expected a file name ending in .onnx")

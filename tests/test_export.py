@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import numpy as np
 import onnx
@@ -520,10 +521,10 @@ def test_only_nearest_resize_lets_a_quantizer_move_across_it():
     assert not commutes("Resize")  # no node: unknown mode
 
 
-def test_a_mean_exports_at_the_default_opset_17_without_a_warning(tmp_path):
+def test_a_mean_exports_at_a_requested_opset_17_without_a_warning(tmp_path):
     """``x.mean((2, 3))`` exports as ReduceMean with ``noop_with_empty_axes`` at opset 18; onnx's version
     converter keeps that attribute on the way to 17, where ReduceMean has none. The export drops it (it is the
-    default), so the file is opset 17 as documented, with no warning, and still equals PyTorch."""
+    default), so the file is opset 17 as asked, with no warning, and still equals PyTorch."""
     class MeanNet(nn.Module):
         def __init__(self):
             super().__init__()
@@ -537,7 +538,7 @@ def test_a_mean_exports_at_the_default_opset_17_without_a_warning(tmp_path):
     quantize_model(model)
     with torch.no_grad():
         calibrate_model(model, [x], method="max")
-    res = export_onnx(model, x, str(tmp_path / "m.onnx"))
+    res = export_onnx(model, x, str(tmp_path / "m.onnx"), opset=17)
     assert res.opset == 17 and not [w for w in res.warnings if "opset" in w], res.warnings
     m = onnx.load(res.path)
     assert [o.version for o in m.opset_import if o.domain in ("", "ai.onnx")] == [17]
@@ -545,3 +546,50 @@ def test_a_mean_exports_at_the_default_opset_17_without_a_warning(tmp_path):
     assert "noop_with_empty_axes" not in [a.name for a in mean.attribute]
     onnx.checker.check_model(m)
     assert res.max_abs_diff is not None and res.max_abs_diff <= res.tolerance
+
+
+@pytest.mark.parametrize("dynamo, native", [(True, 18), (False, 17)])
+def test_no_opset_asked_gives_the_exporters_own_and_no_opset_warning(tmp_path, dynamo, native):
+    """A user who names no opset gets the one the exporter writes, unconverted, and no word about opsets. A
+    TransformerEncoderLayer is a graph onnx's version converter cannot take from 18 to 17: with a default of 17
+    every such export warned that a conversion nobody asked for had failed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), nn.Linear(32, 5)).eval()
+    x = torch.randn(4, 7, 32)
+    quantize_model(model)
+    with torch.no_grad():
+        calibrate_model(model, [x], method="max")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = export_onnx(model, x, str(tmp_path / "t.onnx"), dynamo=dynamo)
+    assert res.opset == native
+    assert [o.version for o in onnx.load(res.path).opset_import if o.domain in ("", "ai.onnx")] == [native]
+    said = [w for w in res.warnings if "opset" in w] + [str(w.message) for w in caught if "opset" in str(w.message)]
+    assert not said, said
+
+
+def test_an_asked_opset_that_cannot_be_reached_is_said(tmp_path):
+    """The warning stays for what the user asked for: opset 17 from the current exporter on that graph."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), nn.Linear(32, 5)).eval()
+    x = torch.randn(4, 7, 32)
+    quantize_model(model)
+    with torch.no_grad():
+        calibrate_model(model, [x], method="max")
+    res = export_onnx(model, x, str(tmp_path / "t.onnx"), opset=17)
+    assert res.opset == 18 and any("requested opset 17" in w for w in res.warnings), res.warnings
+
+
+def test_the_default_opset_covers_what_the_quantizers_need():
+    from lq.export._model_checks import model_min_opset
+    from lq.export._torch_onnx import choose_opset
+    from lq.tensor_quant import QuantDescriptor
+
+    fp8 = nn.Sequential(qnn.QuantLinear(8, 8, quant_desc_input=QuantDescriptor(num_bits=(4, 3))))
+    blocks = nn.Sequential(qnn.QuantLinear(64, 8, quant_desc_weight=QuantDescriptor(
+        num_bits=4, block_sizes={-1: 32, "type": "static"})))
+    plain = nn.Sequential(qnn.QuantLinear(8, 8))
+    assert [model_min_opset(m) for m in (plain, fp8, blocks)] == [13, 19, 21]
+    assert choose_opset(None, 13, "dynamo") == 18 and choose_opset(None, 13, "legacy") == 17
+    assert choose_opset(None, 19, "legacy") == 19 and choose_opset(None, 21, "dynamo") == 21
+    assert choose_opset(15, 13, "dynamo") == 15  # asked for: kept (converted to, or said)

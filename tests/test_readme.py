@@ -144,3 +144,23 @@ def test_lq_train_lines_run_as_written(tmp_path, line):
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-4000:]
     assert "accuracy: INT8 ONNX" in out.stdout and (tmp_path / "run" / "model_int8.onnx").exists()
+
+
+def _dotted_paths(text: str) -> set[str]:
+    """Every ``lq.a.b`` the text shows (a trailing ``.`` of a sentence or a call's parenthesis left off)."""
+    return {m.rstrip(".") for m in re.findall(r"(?<![\w./-])lq(?:\.[A-Za-z_]\w*)+", text)}
+
+
+def test_every_lq_path_the_docs_show_resolves_after_import_lq():
+    """``import lq`` then ``lq.callbacks.QuantSwap(...)`` (a README line) raised AttributeError: subpackages
+    were only reachable after importing them by name. Every dotted path the README and docs/ show resolves
+    by attribute access alone, in a fresh interpreter."""
+    texts = [README] + [p.read_text() for p in sorted((ROOT / "docs").rglob("*.md"))]
+    paths = sorted(set().union(*map(_dotted_paths, texts)))
+    assert "lq.callbacks.QuantSwap" in paths and len(paths) > 20
+    code = ("import functools, sys, lq\nbad = []\nfor p in sys.argv[1:]:\n"
+            "    try:\n        functools.reduce(getattr, p.split('.')[1:], lq)\n"
+            "    except AttributeError as e:\n        bad.append(f'{p}: {e}')\nprint('\\n'.join(bad))\n"
+            "sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]

@@ -91,8 +91,9 @@ def export_onnx(
         path: the ``.onnx`` file to write (written only once the export succeeded).
 
     Keyword Args:
-        opset: default-domain opset, 13..23 (None: 17, or 19 when the model has FP8 quantizers).
-            Per-channel needs >= 13, FP8 (float8e4m3fn) >= 19, blocked Q/DQ >= 21.
+        opset: default-domain opset, 13..23. None: the one the exporter writes (18 for the current exporter,
+            17 for the legacy one), raised to what the quantizers need: per-channel >= 13, FP8
+            (float8e4m3fn) >= 19, blocked Q/DQ >= 21. Another opset is converted to, with a warning if that fails.
         dynamo: True for the current ``torch.onnx`` exporter, False for the legacy TorchScript one.
         fold_bn: fold BatchNorm into the preceding Conv/Gemm (exactly: per-channel weight scales
             absorb ``|gamma / sqrt(var + eps)|``).
@@ -155,7 +156,7 @@ def export_onnx(
     for nm, v in (("rtol", rtol), ("atol", atol)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
             raise ValueError(f"{nm}={v!r} is not allowed: expected a float >= 0")
-    opset = _torch_onnx.choose_opset(opset, _model_checks.model_has_fp8(model))
+    opset = _torch_onnx.choose_opset(opset, _model_checks.model_min_opset(model), "dynamo" if dynamo else "legacy")
 
     bad = find_uncalibrated_quantizers(model)
     if bad:

@@ -77,8 +77,15 @@ def export_mode(model: torch.nn.Module):
         for cls, v in saved:
             cls.use_fb_fake_quant = v
 
-def model_has_fp8(model) -> bool:
+def model_min_opset(model) -> int:
+    """The lowest opset that can hold the model's quantizers: 19 for FP8 (float8e4m3fn), 21 for blocked
+    quantizers (``block_size`` on DequantizeLinear), else 13 (per-channel axis)."""
+    need = 13
     for _, m in model.named_modules():
-        if _is_quantizer(m) and getattr(m, "num_bits", None) == (4, 3) and _quantizer_enabled(m):
-            return True
-    return False
+        if not (_is_quantizer(m) and _quantizer_enabled(m)):
+            continue
+        if getattr(m, "num_bits", None) == (4, 3):
+            need = max(need, 19)
+        if getattr(m, "block_sizes", None):
+            need = max(need, 21)
+    return need

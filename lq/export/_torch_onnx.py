@@ -20,6 +20,9 @@ from lq.export import _symbolic
 from lq.export._ir import all_nodes
 
 MIN_OPSET, MAX_OPSET = 13, 23
+#: the opset each exporter writes itself (torch.onnx's current exporter has no translations below 18): the
+#: default, so that a user who asked for no opset gets no version conversion and no warning about one
+NATIVE_OPSET = {"dynamo": 18, "legacy": 17}
 
 
 def as_tuple(sample) -> tuple:
@@ -81,9 +84,11 @@ def extra_dims(dynamic_dims, tensors: list) -> list[dict[int, str]]:
     return [{d: f"dim{d}" for d in spec if d < a.dim()} for a in tensors]
 
 
-def choose_opset(opset, model_has_fp8: bool) -> int:
+def choose_opset(opset, min_opset: int, exporter: str) -> int:
+    """``opset`` as given, or (None) the exporter's own opset raised to what the model's quantizers need
+    (:func:`lq.export._model_checks.model_min_opset`)."""
     if opset is None:
-        return 19 if model_has_fp8 else 17
+        return max(NATIVE_OPSET[exporter], min_opset)
     if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
         raise ValueError(f"opset={opset!r} is not allowed: expected an int in [{MIN_OPSET}, {MAX_OPSET}] "
                          "(>= 13 for per-channel axis, >= 19 for FP8, >= 21 for blocked Q/DQ)")
