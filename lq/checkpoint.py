@@ -43,21 +43,40 @@ def read_checkpoint(checkpoint_path, map_location: Any = "cpu", trusted: bool = 
         raise CheckpointError(f"{path}: no such checkpoint file ({made_by})")
     if os.path.getsize(path) == 0:
         raise CheckpointError(f"{path} is empty, not a readable checkpoint ({made_by})")
+    if not _looks_like_torch_file(path):
+        raise CheckpointError(f"{path} is not a torch checkpoint (neither torch.save's zip archive nor a pickle; "
+                              f"text or another format?): {made_by}")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=not trusted)
     except pickle.UnpicklingError as e:
-        if trusted:
-            raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e}; {made_by})") from e
+        if trusted or "global" not in str(e).lower():  # damaged, not a pickle of objects weights_only refuses
+            raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: "
+                                  f"{_first_line(e)}; {made_by})") from e
         raise CheckpointError(
             f"{path} holds Python objects beyond tensors and plain values, and lq loads checkpoints with "
-            f"weights_only=True so that no file can run code on load ({str(e).splitlines()[0][:200]}). If you "
+            f"weights_only=True so that no file can run code on load ({_first_line(e)}). If you "
             "wrote this file yourself and trust it, pass trusted=True.") from e
-    except (EOFError, RuntimeError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever the unpickler raises on a damaged file: one named error
         raise CheckpointError(f"{path} is not a readable checkpoint: it is truncated or not a torch file "
                               f"({type(e).__name__}: {str(e)[:200]}; {made_by})") from e
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise CheckpointError(f"{path} is a torch file but not a Lightning checkpoint (no 'state_dict'; {made_by})")
     return ckpt
+
+
+def _looks_like_torch_file(path: str) -> bool:
+    """torch.save writes a zip archive (its first bytes ``PK``; a truncated one too) or, in the legacy format, a
+    pickle (protocol opcode 0x80 first)."""
+    with open(path, "rb") as f:
+        head = f.read(2)
+    return head[:1] == b"\x80" or head == b"PK"
+
+
+def _first_line(e: Exception) -> str:
+    """torch's weights_only error spans a page; its line that names the refused global is what matters."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    named = [ln for ln in lines if "unsupported" in ln.lower()]
+    return (named or lines or [type(e).__name__])[0][:200]
 
 
 def load_quantized(module_class, checkpoint_path: str, map_location: Any = "cpu", strict: bool = True,

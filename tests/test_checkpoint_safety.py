@@ -74,3 +74,29 @@ def test_empty_truncated_and_foreign_files_say_what_they_are(tmp_path):
         read_checkpoint(tmp_path / "plain.pt")
     with pytest.raises(CheckpointError, match="no such checkpoint file"):
         read_checkpoint(tmp_path / "missing.ckpt")
+
+
+@pytest.mark.parametrize("content", [b"a note to self\n", b"notes about the run\n", b'{"epoch": 3}', b".\n",
+                                     b"(.", bytes(range(256)) * 4], ids=["text-a", "text-n", "json", "dot", "mark",
+                                                                         "bytes"])
+@pytest.mark.parametrize("loader", ["load_quantized", "read_checkpoint"])
+def test_any_file_that_is_not_a_checkpoint_gets_the_named_error(tmp_path, content, loader):
+    """``lq.load_quantized(Model, "notes.ckpt")`` on a text file raised torch's unpickler's own ``IndexError: pop
+    from empty list`` (text starting with a pickle opcode such as ``a``); a JSON file or other text got a message
+    about Python objects it does not hold. Every non-checkpoint gets CheckpointError naming the file."""
+    path = tmp_path / "notes.ckpt"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError, match=r"notes.ckpt is not a (torch|readable) checkpoint"):
+        if loader == "load_quantized":
+            lq.load_quantized(nn.Linear, str(path))
+        else:
+            read_checkpoint(path)
+
+
+def test_a_pickle_of_the_wrong_kind_is_not_called_a_code_risk(tmp_path):
+    """A legacy (non-zip) pickle that the weights-only reader rejects for a bad opcode is damaged, not malicious."""
+    path = tmp_path / "odd.ckpt"
+    path.write_bytes(b"\x80\x02" + bytes([149]) + b".")
+    with pytest.raises(CheckpointError, match="odd.ckpt is not a readable checkpoint") as e:
+        read_checkpoint(path)
+    assert "trusted=True" not in str(e.value)
