@@ -4,20 +4,35 @@ No single method suits every activation: LayerNorm outputs carry a few huge chan
 clipped, GELU outputs have long thin tails that should be, a post-ReLU conv input is spiky (TensorRT's
 entropy clips it to nothing). ``auto`` collects histograms like the histogram methods, starts every input
 quantizer at ``max`` and then, group by group, keeps whichever of max / percentile / mse / entropy brings
-the quantized model's outputs closest to the float model's (mean cosine) on the first calibration batches
+the quantized model's output closest to the float model's on the first calibration batches
 (:func:`lq.sensitivity.calibration_method_search`). Groups are layer roles: module names with their
 numeric indices wildcarded, so ``encoder.layer.0.attention.self.query`` ... ``layer.5`` choose together
 (measured on all-MiniLM-L6-v2: mean cosine 0.991 where the best single method gives 0.980).
 
-Under torch.distributed the metric is averaged over the ranks before every comparison, so every rank takes
-the same decisions (their histograms are already reduced).
+Closeness is :func:`lq.sensitivity.fidelity_metric`'s ``"r2"``: one minus the squared error of the output
+relative to the float output's variance. Cosine, per sample, cannot see a score map that keeps its shape
+at half its amplitude (every threshold on it moves: a text detector found no text at all); this metric
+scores such a map, and a collapsed one, near or below 0.
+
+Then the choice as a whole is checked against ``max`` everywhere, on the model's own output, over more
+of the calibration batches (:data:`CHECK_BATCHES`, spread over the calibration data, the selection
+batches among them): two selection batches can say nothing about the rest (blank pages first, a sorted
+data set). When the choice scores below all-``max`` there, every group goes back to ``max``: the default
+is never worse than ``max`` on the model's output over the calibration data it checked. The outcome
+(:class:`AutoResult`: the choice per role, both scores, the gain) is logged on the ``lq`` logger, returned
+by :func:`lq.calibrate_model` as ``.auto``, and shown in the summary's method column.
+
+Under torch.distributed the metric is averaged over the ranks before every comparison, the check's
+included, so every rank takes the same decisions (their histograms are already reduced).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,8 +42,58 @@ from torch import nn
 CANDIDATES = ("max", "percentile", "mse", "entropy")
 #: the percentile candidate: the 99.99th clips LayerNorm outlier channels; 99.999 measured best on MiniLM
 PERCENTILE = 99.999
-#: calibration batches the metric runs on
+#: calibration batches the per-role search runs on (the first ones)
 SELECTION_BATCHES = 2
+#: calibration batches the whole choice is checked against ``max`` on (the selection batches and more,
+#: spread over the calibration data): three forwards each (float, the choice, max)
+CHECK_BATCHES = 8
+#: the fidelity metric of the search and of the check (:func:`lq.sensitivity.fidelity_metric`)
+METRIC = "r2"
+METRIC_NAME = "output R2 vs float (1 - squared error / variance of the float output)"
+#: the attribute each ``auto`` quantizer gets with the method it ended with (the summary's method column)
+CHOICE_ATTR = "auto_method"
+
+
+@dataclass
+class AutoResult:
+    """What ``auto`` did.
+
+    Attributes:
+        chosen: ``{role: method}`` the per-role search picked.
+        methods: ``{role: method}`` the model holds: ``chosen``, or ``max`` everywhere after a fall-back.
+        fell_back: the choice scored below all-``max`` on the check, so every role went back to ``max``.
+        metric: what ``auto_score`` and ``max_score`` measure (:data:`METRIC_NAME`).
+        auto_score: the search's choice on the check batches (None when it chose ``max`` everywhere).
+        max_score: ``max`` everywhere on the check batches.
+        batches: check batches (this rank's).
+    """
+
+    chosen: dict[str, str]
+    methods: dict[str, str]
+    fell_back: bool = False
+    metric: str = METRIC_NAME
+    auto_score: float | None = None
+    max_score: float | None = None
+    batches: int = 0
+    trace: list = field(default_factory=list, repr=False)
+
+    @property
+    def gain(self) -> float:
+        """The model's score minus all-``max``'s on the check batches (0 after a fall-back: it is all-``max``)."""
+        if self.fell_back or self.auto_score is None or self.max_score is None:
+            return 0.0
+        return self.auto_score - self.max_score
+
+    def __str__(self) -> str:
+        choice = ", ".join(f"{g}: {m}" for g, m in self.chosen.items())
+        if self.auto_score is None:
+            return f"calibration method 'auto' kept max for every role ({choice})"
+        scores = (f"{self.metric} on {self.batches} calibration batch(es): ")
+        if self.fell_back:
+            return (f"calibration method 'auto' fell back to max for every role: its per-role choice ({choice}) "
+                    f"scored {self.auto_score:.4f} against max's {self.max_score:.4f} ({scores.rstrip(': ')})")
+        return (f"calibration method 'auto' chose {choice}; {scores}{self.auto_score:.4f} vs "
+                f"{self.max_score:.4f} with max everywhere ({self.gain:+.4f})")
 
 
 def role(layer: str) -> str:
@@ -72,17 +137,24 @@ def _ddp_mean(metric: Callable[[nn.Module], float | None], process_group=None):
 
 
 def choose(model: nn.Module, quantizers: list, methods: Mapping[str, str], batches: list,
-           forward: Callable[[nn.Module, Any], Any], process_group=None) -> dict[str, str]:
-    """Set amax of the ``auto`` quantizers (already loaded at ``max``) by the search; ``{role: method}``."""
-    from lq.sensitivity import calibration_method_search, fidelity_metric
+           forward: Callable[[nn.Module, Any], Any], process_group=None,
+           check: Sequence | None = None) -> AutoResult | None:
+    """Set amax of the ``auto`` quantizers (already loaded at ``max``) by the search on ``batches`` (the
+    selection batches), then check the choice against ``max`` everywhere on ``check`` (default: ``batches``)
+    and fall back to ``max`` when it is worse. Returns what was done (None: nothing to choose)."""
+    from lq.sensitivity import calibration_method_search, fidelity_metric, group_members
 
     auto = [n for n, _ in quantizers if methods.get(n) == "auto"]
     grp = groups(model, auto)
     if not grp or (not batches and not _distributed()):
-        return {}
+        return None
+    check = list(batches if check is None else check)
+    for n, q in quantizers:
+        if n in auto:
+            setattr(q, CHOICE_ATTR, "max")  # where they start (and stay, when the search cannot run)
     try:
         if batches:
-            metric = fidelity_metric(model, batches[:SELECTION_BATCHES], forward=forward, kind="cosine")
+            metric = fidelity_metric(model, batches[:SELECTION_BATCHES], forward=forward, kind=METRIC)
         else:  # this rank's shard was empty: it still takes part in every reduction
             def metric(m):
                 return None
@@ -90,7 +162,59 @@ def choose(model: nn.Module, quantizers: list, methods: Mapping[str, str], batch
         warnings.warn(f"calibration method 'auto' fell back to 'max': the model's output on a calibration batch "
                       f"is not a tensor to compare ({e}); choose a method, or give calibration a forward that "
                       "returns one", RuntimeWarning, stacklevel=3)
-        return {}
-    result = calibration_method_search(model, _ddp_mean(metric, process_group), groups=grp,
+        return None
+    search = calibration_method_search(model, _ddp_mean(metric, process_group), groups=grp,
                                        methods=CANDIDATES, percentile=PERCENTILE)
-    return result.methods
+    chosen = dict(search.methods)
+    result = AutoResult(chosen, dict(chosen), trace=search.trace)
+    members = group_members(model, grp)
+    if any(m != "max" for m in chosen.values()):
+        # the choice as a whole against max everywhere, on the model's output over the check batches
+        if check and [id(b) for b in check] == [id(b) for b in batches[:SELECTION_BATCHES]]:
+            whole = metric
+        elif check:
+            whole = fidelity_metric(model, check, forward=forward, kind=METRIC)
+        else:
+            def whole(m):
+                return None
+        whole = _ddp_mean(whole, process_group)
+        result.batches = len(check)
+        result.auto_score = float(whole(model))
+        _load(members, {g: "max" for g in members})
+        result.max_score = float(whole(model))
+        if result.auto_score >= result.max_score:
+            _load(members, chosen)
+        else:
+            result.fell_back = True
+            result.methods = {g: "max" for g in chosen}
+    for g, qs in members.items():
+        for q in qs:
+            setattr(q, CHOICE_ATTR, result.methods[g])
+    logging.getLogger("lq").info("%s", result)
+    return result
+
+
+def check_batches(batches: Iterable, seen: int, n: int = CHECK_BATCHES) -> list:
+    """Up to ``n`` of the first ``seen`` batches of (replayable) ``batches``: the selection batches and the
+    rest spread evenly over the calibration data."""
+    if seen <= n:
+        keep = set(range(seen))
+    else:
+        rest = n - SELECTION_BATCHES
+        keep = set(range(SELECTION_BATCHES))
+        keep |= {SELECTION_BATCHES + round(i * (seen - 1 - SELECTION_BATCHES) / max(1, rest - 1)) for i in range(rest)}
+    out = []
+    for i, b in enumerate(batches):
+        if i >= seen:
+            break
+        if i in keep:
+            out.append(b)
+    return out
+
+
+def _load(members: Mapping[str, list], chosen: Mapping[str, str]) -> None:
+    for g, qs in members.items():
+        m = chosen[g]
+        kw = {"percentile": PERCENTILE} if m == "percentile" else {}
+        for q in qs:
+            q.load_calib_amax(m, **kw)

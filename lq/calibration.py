@@ -22,7 +22,8 @@ has data, so an error never leaves a model half-calibrated.
 from __future__ import annotations
 
 import fnmatch
-import logging
+import inspect
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -40,21 +41,106 @@ class CalibrationError(RuntimeError):
     """Calibration could not produce amax (no batches, or quantizers that saw no data)."""
 
 
+def _positional(model: nn.Module) -> tuple[int, float, list[str]] | None:
+    """``(required, most, names)`` of ``model.forward``'s positional parameters (``most`` is inf with
+    ``*args``), or None when the signature cannot be read."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    pos = [p for p in sig.parameters.values() if p.kind in kinds]
+    required = sum(p.default is inspect.Parameter.empty for p in pos)
+    star = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in sig.parameters.values())
+    return required, math.inf if star else len(pos), [p.name for p in pos]
+
+
+def _describe(batch: Any) -> str:
+    if isinstance(batch, torch.Tensor):
+        return f"Tensor{list(batch.shape)}"
+    if isinstance(batch, Mapping):
+        return "dict(" + ", ".join(f"{k}={_describe(v)}" for k, v in batch.items()) + ")"
+    if isinstance(batch, (list, tuple)):
+        return f"{type(batch).__name__} of {len(batch)}: (" + ", ".join(_describe(b) for b in batch) + ")"
+    return type(batch).__name__
+
+
+def model_inputs(model: nn.Module, batch: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)``: how ``model`` is called on one ``batch`` -- the one rule calibration, ``auto``
+    and the export's sample batch share.
+
+    * a mapping is keyword arguments: ``model(**batch)``;
+    * a tuple/list batch, when ``forward`` needs at most one positional input, is ``(inputs, target, ...)``:
+      ``model(batch[0])`` (what most training code passes);
+    * when ``forward`` needs two or more positional inputs: a tuple/list batch whose first element is a
+      mapping, or a tuple that fits them, is ``(inputs, target)``: ``model(**batch[0])`` /
+      ``model(*batch[0])``; else a batch whose length fits ``forward``'s positional parameters (at least
+      the required ones, at most all of them) is those inputs: ``model(*batch)``, e.g.
+      ``(input_ids, attention_mask)``;
+    * anything else is passed as is: ``model(batch)``.
+
+    Raises:
+        TypeError: a tuple/list batch that fits none of these; the message shows what was received and
+            how to say it (a dict batch, or ``forward=``).
+    """
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if not isinstance(batch, (list, tuple)):
+        return (batch,), {}
+    sig = _positional(model)
+    if not batch:
+        return (batch,), {}
+    if sig is None or sig[0] <= 1:
+        return (batch[0],), {}
+    required, most, names = sig
+    head = batch[0]
+    if isinstance(head, Mapping):
+        return (), dict(head)
+    if isinstance(head, (list, tuple)) and required <= len(head) <= most:
+        return tuple(head), {}
+    if required <= len(batch) <= most:
+        return tuple(batch), {}
+    name = type(model).__name__
+    want = f"{required}" if most == required else f"{required} to {most}"
+    raise TypeError(
+        f"cannot tell how to call {name}.forward({', '.join(names)}) on a calibration batch: it takes {want} "
+        f"positional inputs and the batch is a {_describe(batch)}. Pass each batch as a dict of its inputs "
+        f"(model(**batch)), as a tuple of exactly its inputs, or as (inputs, target) with the inputs a tuple "
+        f"or dict; or say how: calibrate_model(..., forward=lambda model, batch: model(batch[0], batch[1])) "
+        f"(QuantCalibrate(forward=...), or a calibration_step(batch) method on a LightningModule)")
+
+
+def sample_inputs(model: nn.Module, batch: Any) -> Any:
+    """The example input an export traces with, from one ``batch`` by :func:`model_inputs`: a tensor, or a
+    tuple of the positional inputs (a dict batch is put in ``forward``'s parameter order)."""
+    args, kwargs = model_inputs(model, batch)
+    if kwargs:
+        try:
+            bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"the batch's inputs do not fit {type(model).__name__}.forward ({e}): give the export "
+                            "a sample_input") from e
+        if bound.kwargs:
+            raise TypeError(f"{type(model).__name__}.forward takes {sorted(bound.kwargs)} by keyword only or "
+                            "after a parameter the batch leaves out; the export traces positional inputs: give "
+                            "it a sample_input")
+        args = bound.args
+    return args[0] if len(args) == 1 else tuple(args)
+
+
 def default_forward(model: nn.Module, batch: Any) -> Any:
     """Run ``model`` on ``batch`` the way most training code does.
 
-    A LightningModule with a ``calibration_step(batch)`` method decides itself;
-    otherwise a tuple/list batch feeds its first element (``(inputs, target)``),
-    a mapping is passed as keyword arguments, anything else is passed as is.
+    A LightningModule with a ``calibration_step(batch)`` method decides itself; otherwise
+    ``model(*args, **kwargs)`` with the call :func:`model_inputs` reads from the batch: a mapping is keyword
+    arguments, a tuple/list is ``(inputs, target)`` for a one-input ``forward`` and the inputs themselves
+    when it fits a ``forward`` of several (``(input_ids, attention_mask)``), anything else is passed as is.
     """
     step = getattr(model, "calibration_step", None)
     if callable(step):
         return step(batch)
-    if isinstance(batch, (list, tuple)):
-        return model(batch[0])
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    return model(batch)
+    args, kwargs = model_inputs(model, batch)
+    return model(*args, **kwargs)
 
 
 def is_weight_quantizer(name: str) -> bool:
@@ -299,21 +385,30 @@ def calibrate_model(
         model: a model with TensorQuantizers (see :func:`lq.convert.quantize_model`).
         batches: an iterable of batches (a DataLoader).
         method: activation method: ``auto`` (default: per layer group the one of max, percentile, mse and
-            entropy that keeps the model's output closest to float on the first calibration batches; see
-            :mod:`lq.auto_calib`), or max, entropy, percentile, mse for every layer.
+            entropy that keeps the model's output closest to float on the first calibration batches, kept
+            only when the model's output over up to 8 of the calibration batches is at least as close to
+            float as with ``max`` everywhere, else ``max``; see :mod:`lq.auto_calib`), or max, entropy,
+            percentile, mse for every layer.
         weight_method: weight method (max per channel is exact for weights).
         method_overrides: ``{layer glob: method}``.
         num_batches: stop after this many batches (None: all).
-        forward: how to run the model on a batch (see :func:`default_forward`).
+        forward: how to run the model on a batch (default :func:`default_forward`: a dict batch is
+            ``model(**batch)``, ``(inputs, target)`` is ``model(inputs)``, a tuple of a multi-input
+            ``forward``'s inputs is ``model(*batch)``; see :func:`model_inputs`).
         only_uncalibrated: leave quantizers that already hold amax alone.
         strict: raise when a quantizer saw no data (else warn and keep it dynamic).
 
+    Returns:
+        :class:`CalibrationResult`: ``{name: amax}``, with ``.auto`` (the ``auto`` choice per role and what it
+        gained against ``max``).
+
     Raises:
         CalibrationError: the batches were empty, or quantizers saw no data (named).
+        TypeError: a tuple batch that does not fit the model's ``forward`` (see :func:`model_inputs`).
     """
     quantizers = select_quantizers(model, include_calibrated=not only_uncalibrated)
     if not quantizers:
-        return {}
+        return CalibrationResult()
     methods = methods_for(quantizers, method, weight_method, method_overrides)
     auto = "auto" in methods.values()
     if auto:  # the search runs the model on the first batches again
@@ -329,13 +424,19 @@ def calibrate_model(
         )
     sync(quantizers, process_group)
     amax = load_amax(quantizers, methods, percentile=percentile, strict=strict)
+    result = CalibrationResult(amax)
     if auto:
         from lq import auto_calib
 
-        selection = [b for _, b in zip(range(auto_calib.SELECTION_BATCHES), batches)]
-        chosen = auto_calib.choose(model, quantizers, methods, selection, forward, process_group)
-        if chosen:
-            logging.getLogger("lq").info("calibration method 'auto' chose: %s",
-                                         ", ".join(f"{g}: {m}" for g, m in chosen.items()))
-        amax = {name: q.amax for name, q in quantizers if name in amax}
-    return amax
+        check = auto_calib.check_batches(batches, seen)
+        selection = check[:auto_calib.SELECTION_BATCHES]
+        result.auto = auto_calib.choose(model, quantizers, methods, selection, forward, process_group, check=check)
+        result.update({name: q.amax for name, q in quantizers if name in amax})
+    return result
+
+
+class CalibrationResult(dict):
+    """``{quantizer name: amax}``; ``.auto`` holds what ``method="auto"`` did (:class:`lq.auto_calib.AutoResult`:
+    the method per layer role and its score against ``max``), None for the other methods."""
+
+    auto = None

@@ -64,6 +64,12 @@ def _amax_text(q) -> str:
     return f"{float(a.min()):.4g}..{float(a.max()):.4g} ({a.numel()})"
 
 
+def _method_text(q, method: str) -> str:
+    """``auto`` with what it ended with for this quantizer (``auto: percentile``; :mod:`lq.auto_calib`)."""
+    chosen = getattr(q, "auto_method", None)
+    return f"auto: {chosen}" if method == "auto" and chosen else method
+
+
 def quantizer_rows(model: nn.Module, methods: Optional[Mapping[str, str]] = None) -> list[dict]:
     """One row per TensorQuantizer: name, bits, axis, amax, calibration method, state."""
     rows = []
@@ -78,7 +84,8 @@ def quantizer_rows(model: nn.Module, methods: Optional[Mapping[str, str]] = None
             "bits": bits,
             "axis": "tensor" if q.axis is None else str(q.axis),
             "amax": _amax_text(q),
-            "method": (methods or {}).get(name, type(q.calibrator).__name__ if q.calibrator is not None else "-"),
+            "method": _method_text(q, (methods or {}).get(name, type(q.calibrator).__name__
+                                                           if q.calibrator is not None else "-")),
             "state": state,
             # numeric largest amax (not a printed column): what loggers get as a metric
             "amax_max": None if q.amax is None or q.dynamic else float(q.amax.detach().max()),

@@ -60,6 +60,8 @@ __all__ = [
 ]
 
 MODES = ("only", "leave_out")
+#: what :func:`fidelity_metric` measures
+FIDELITY_KINDS = ("cosine", "r2", "mse", "top1")
 RANK_BY = ("leave_out", "only", "combined")
 
 Metric = Callable[[nn.Module], float]
@@ -553,29 +555,15 @@ def calibration_method_search(
     Returns:
         :class:`MethodSearchResult`; ``result.apply(calib)`` gives the :class:`lq.config.CalibConfig` to use.
     """
-    from lq import calib as calib_mod
-
     allowed = ("max", "entropy", "percentile", "mse")
     bad = [m for m in methods if m not in allowed]
     if bad or not methods:
         raise ValueError(f"methods={list(methods)!r} is not allowed: choose from {list(allowed)}")
     start = start or methods[0]
-    layers = quantized_layers(model)
     if groups is None:
-        groups = {n: n for n in layers}
+        groups = {n: n for n in quantized_layers(model)}
     globs = {g: [v] if isinstance(v, str) else list(v) for g, v in groups.items()}
-    members: dict[str, list[TensorQuantizer]] = {}
-    for g, pats in globs.items():
-        qs = []
-        for layer, lqs in layers.items():
-            if any(fnmatch.fnmatchcase(layer, p) for p in pats):
-                for q in lqs:
-                    if isinstance(q.calibrator, calib_mod.HistogramCalibrator) and q.calibrator.has_data:
-                        qs.append(q)
-        if not qs:
-            raise ValueError(f"group {g!r} ({pats}) matches no quantized layer whose input quantizer holds "
-                             "histogram statistics (collect them with a histogram method first)")
-        members[g] = qs
+    members = group_members(model, globs)
     say = progress or (lambda msg: None)
     better = (lambda a, b: a > b) if higher_is_better else (lambda a, b: a < b)
 
@@ -605,6 +593,26 @@ def calibration_method_search(
     return MethodSearchResult(chosen, overrides, percentile, best, trace)
 
 
+def group_members(model: nn.Module, globs: dict[str, Sequence[str]]) -> dict[str, list[TensorQuantizer]]:
+    """``{group: the quantizers holding histogram statistics of the quantized layers its globs match}``."""
+    from lq import calib as calib_mod
+
+    layers = quantized_layers(model)
+    members: dict[str, list[TensorQuantizer]] = {}
+    for g, pats in globs.items():
+        qs = []
+        for layer, lqs in layers.items():
+            if any(fnmatch.fnmatchcase(layer, p) for p in pats):
+                for q in lqs:
+                    if isinstance(q.calibrator, calib_mod.HistogramCalibrator) and q.calibrator.has_data:
+                        qs.append(q)
+        if not qs:
+            raise ValueError(f"group {g!r} ({list(pats)}) matches no quantized layer whose input quantizer holds "
+                             "histogram statistics (collect them with a histogram method first)")
+        members[g] = qs
+    return members
+
+
 # =========================================================================== a label-free metric
 def fidelity_metric(
     model: nn.Module,
@@ -617,9 +625,17 @@ def fidelity_metric(
     """A metric that needs no labels: how close the quantized model's outputs stay to the floating point ones.
 
     The floating point reference is computed now, on ``batches``, with every quantizer of ``model``
-    switched off (``model`` may already be quantized). ``kind``: ``"cosine"`` (mean cosine similarity of
-    the flattened per-sample outputs; higher is better), ``"mse"`` (mean squared error; lower is better) or
-    ``"top1"`` (fraction of samples whose argmax agrees; higher is better).
+    switched off (``model`` may already be quantized). ``kind``:
+
+    * ``"cosine"``: mean cosine similarity of the flattened per-sample outputs (higher is better). Blind to
+      scale: a score map at half its amplitude, or shifted, keeps a cosine near 1 while every threshold
+      on it moves;
+    * ``"r2"``: ``1 - sum((out - float)**2) / sum((float - mean(float))**2)`` over all the batches, the
+      squared error relative to the float output's variance (higher is better): 1 is exact, 0 is no
+      closer than a constant output at the float output's mean (what a collapsed dense output such as a
+      segmentation score map gives), below 0 is worse than that. It sees scale, offset and shape errors;
+    * ``"mse"``: mean squared error (lower is better);
+    * ``"top1"``: fraction of samples whose argmax agrees (higher is better).
 
     Args:
         model: the model whose reference outputs are recorded.
@@ -630,8 +646,8 @@ def fidelity_metric(
     """
     from lq.calibration import default_forward
 
-    if kind not in ("cosine", "mse", "top1"):
-        raise ValueError(f"kind={kind!r} is not allowed: choose one of ['cosine', 'mse', 'top1']")
+    if kind not in FIDELITY_KINDS:
+        raise ValueError(f"kind={kind!r} is not allowed: choose one of {list(FIDELITY_KINDS)}")
     batches = list(batches)
     fwd = forward or default_forward
     out_fn = output or _default_output
@@ -647,15 +663,20 @@ def fidelity_metric(
 
     with quantization_disabled(model):
         ref = run(model)
+    if kind == "r2":
+        mean = sum(float(r.double().sum()) for r in ref) / max(1, sum(r.numel() for r in ref))
+        variance = sum(float(((r.double() - mean) ** 2).sum()) for r in ref)
 
     def metric(m: nn.Module) -> float:
         outs = run(m)
         if kind == "cosine":
             vals = [torch.nn.functional.cosine_similarity(o, r, dim=1) for o, r in zip(outs, ref, strict=True)]
             return float(torch.cat(vals).mean())
-        if kind == "mse":
-            se = sum(float(((o - r) ** 2).sum()) for o, r in zip(outs, ref, strict=True))
-            return se / sum(r.numel() for r in ref)
+        if kind in ("mse", "r2"):
+            se = sum(float(((o.double() - r.double()) ** 2).sum()) for o, r in zip(outs, ref, strict=True))
+            if kind == "mse":
+                return se / sum(r.numel() for r in ref)
+            return 1.0 - se / variance if variance > 0 else (1.0 if se == 0 else -math.inf)
         agree = sum(int((o.argmax(1) == r.argmax(1)).sum()) for o, r in zip(outs, ref, strict=True))
         return agree / sum(len(r) for r in ref)
 
