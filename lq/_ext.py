@@ -106,7 +106,21 @@ def _build_name(sources: list[str], flags) -> str:
     h.update(repr(flags).encode())
     h.update(repr(sorted(os.path.basename(x) for x in sources)).encode())  # content, not where the clone is
     h.update(sys.version.encode())
+    h.update(repr(installation()).encode())
     return "lq_C_" + h.hexdigest()[:12]
+
+
+def installation() -> tuple[str, str, str]:
+    """What the build commands point at besides the sources: torch's installation (its headers and the
+    libraries the kernels link against), Python's headers, and the compiler.
+
+    Part of the cache key, so that two environments with the same torch version but their own installations
+    (two venvs) get a build each: with one key they rewrote one ``build.ninja`` with their own include paths,
+    and every process of the other environment rebuilt (and the rest waited on its lock) again and again."""
+    import sysconfig
+
+    return (str(Path(torch.__file__).resolve().parent), sysconfig.get_paths()["include"],
+            os.environ.get("CXX", "c++"))
 
 
 def cache_root() -> Path:

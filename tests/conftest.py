@@ -1,7 +1,14 @@
 """Shared test setup: flush denormals (this CPU slows down badly on them), fixed seeds."""
 
-import pytest
-import torch
+import os
+from pathlib import Path
+
+# The C++ kernels the suite builds and loads (here and in every process it starts) go to the checkout's own
+# cache, never the user's ~/.cache/lq/ext (make setup prebuilds it; `rm -rf build` forgets it).
+os.environ.setdefault("LQ_EXT_CACHE", str(Path(__file__).resolve().parents[1] / "build" / "ext-cache"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_flush_denormal(True)
 

@@ -66,6 +66,42 @@ def test_cache_key_is_the_sources_content_not_the_clone_path(tmp_path):
     assert _ext._build_name(cpp, flags) != _ext._build_name(cpp, (flags[0] + ["-DX"],) + flags[1:])
 
 
+def test_cache_key_is_the_installation_the_build_points_at(monkeypatch):
+    """Two venvs with the same torch version shared one cache folder and rewrote its build.ninja with their own
+    include paths, so each rebuilt after the other (minutes, every time). Every path the generated build
+    commands name outside the cache folder is part of the key, and another torch installation is another key."""
+    import re
+
+    build_dir = _current_build_dir()
+    ninja = build_dir / "build.ninja"
+    if not ninja.exists():
+        pytest.skip("the extension is not built yet (lq-build-ext builds it)")
+    text = ninja.read_text()
+    named = set(re.findall(r"(?:-isystem |-I|-L)(\S+)", text)) | set(re.findall(r"^cxx = (\S+)", text, re.M))
+    named = {p for p in named if not p.startswith(str(build_dir))}
+    key = _ext.installation()
+    assert named and all(any(p == k or p.startswith(k + os.sep) for k in key) for p in named), (named, key)
+    cpp, cuda = _ext._sources()
+    flags = _ext.build_flags()
+    before = _ext._build_name(cpp + cuda, flags)
+    import torch
+
+    monkeypatch.setattr(torch, "__file__", "/another/venv/lib/python3.11/site-packages/torch/__init__.py")
+    assert _ext._build_name(cpp + cuda, flags) != before
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "clang++")
+    assert _ext._build_name(cpp + cuda, flags) != before
+
+
+def test_the_suite_builds_in_its_own_cache_not_the_users():
+    """The tests (and what they start) build and load the kernels under the checkout's build/ folder."""
+    root = _ext.source_dir().parent
+    assert _ext.cache_root() == root / "build" / "ext-cache"
+    p = subprocess.run([sys.executable, "-c", "from lq import _ext; print(_ext.cache_root())"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == str(root / "build" / "ext-cache")
+
+
 def test_build_ext_help_prints_usage_and_builds_nothing(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["lq-build-ext", "--help"])
     monkeypatch.setattr(_ext, "build", lambda *a, **k: pytest.fail("--help must not build"))
