@@ -389,6 +389,8 @@ class ExportConfig:
             convolutional models run on several sizes (image pyramids); verified on a second size.
         dynamic_dims: more dynamic axes of every input that has them (axes >= 1), e.g. ``[1]`` for the time
             axis of batch-first sequences (recurrent models export as loops); verified on a longer input.
+        speed_batch: the batch size at which the export's speed check times the INT8 file against the plain FP32
+            export of the same model (None: the sample batch's size).
     """
 
     enabled: bool = True
@@ -401,9 +403,14 @@ class ExportConfig:
     target: str = "onnxruntime"
     dynamic_spatial: bool = False
     dynamic_dims: List[int] = field(default_factory=list)
+    speed_batch: Optional[int] = None
 
     def __post_init__(self):
         owner = type(self).__name__
+        if self.speed_batch is not None and (isinstance(self.speed_batch, bool) or not isinstance(self.speed_batch, int)
+                                             or self.speed_batch < 1):
+            raise ValueError(f"{owner}.speed_batch={self.speed_batch!r} is not allowed: expected an int >= 1 or None "
+                             "(the sample's batch)")
         if isinstance(self.dynamic_dims, str) or not all(
                 isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in self.dynamic_dims):
             raise ValueError(f"{owner}.dynamic_dims={self.dynamic_dims!r} is not allowed: expected a list of axes >= 1 "
@@ -459,6 +466,9 @@ class JobConfig:
         fp32_epochs: epochs of floating point training before quantization (0: use the model as built).
         qat_epochs: epochs of quantization-aware fine-tuning (0: PTQ only).
         output_dir: where checkpoints, the ONNX files and the results table go.
+        export_best: export whichever of the PTQ and QAT models is more accurate on the validation data (the
+            test data when the DataModule has no val loader), so a QAT run that made the model worse is
+            reported and not exported; False: always export the QAT model.
     """
 
     # the int8_reduce_range recipe's values on the base class: Hydra types the node by its default, and any
@@ -476,6 +486,7 @@ class JobConfig:
     fp32_epochs: int = 8
     qat_epochs: int = 3
     output_dir: str = "outputs"
+    export_best: bool = True
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -487,6 +498,8 @@ class JobConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{owner}.{name}={v!r} is not allowed: expected an int >= 0")
+        if not isinstance(self.export_best, bool):
+            raise ValueError(f"{owner}.export_best={self.export_best!r} is not allowed: expected true or false")
         for name in ("model", "data"):
             if "_target_" not in getattr(self, name):
                 raise ValueError(f"{owner}.{name} needs a _target_ (the class to build), got {getattr(self, name)!r}")

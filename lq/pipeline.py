@@ -33,13 +33,20 @@ class JobResult:
     onnx_max_abs_diff: Optional[float] = None
     files: dict = field(default_factory=dict)
     layers: list = field(default_factory=list)  # the per-layer quantizer table (lq.report.quantizer_rows)
+    eval_split: Optional[str] = None  # the DataModule's split the accuracies are measured on (None: none)
+    selection: dict = field(default_factory=dict)  # "ptq"/"qat" -> accuracy on the split that chose the export
+    exported: Optional[str] = None  # which model the ONNX file holds: "qat" or "ptq"
+    notes: list = field(default_factory=list)  # what the user must know (QAT worse than PTQ, nothing measured)
 
     def rows(self) -> list[tuple[str, str]]:
         out = []
         names = {"fp32": "FP32 (PyTorch)", "ptq": "INT8 PTQ (PyTorch fake-quant)", "qat": "INT8 QAT (PyTorch fake-quant)",
                  "onnx_int8": "INT8 ONNX (onnxruntime)", "onnx_fp32": "FP32 ONNX (onnxruntime)"}
+        split = f" [{self.eval_split}]" if self.eval_split and self.eval_split != "test" else ""
         for k, v in self.accuracy.items():
-            out.append((f"accuracy: {names.get(k, k)}", f"{100 * v:.2f}%"))
+            out.append((f"accuracy: {names.get(k, k)}{split}", "not measured" if v is None else f"{100 * v:.2f}%"))
+        if self.exported:
+            out.append(("exported model", {"qat": "QAT", "ptq": "PTQ (QAT was less accurate)"}[self.exported]))
         for k, v in self.size_bytes.items():
             out.append((f"size: {k}", f"{v / 1024:.1f} KiB"))
         for (model, batch), ms in self.latency_ms.items():
@@ -48,6 +55,7 @@ class JobResult:
             out.append(("speedup INT8 vs FP32, batch 32", f"{self.latency_ms[('fp32', 32)] / self.latency_ms[('int8', 32)]:.2f}x"))
         if self.onnx_max_abs_diff is not None:
             out.append(("onnxruntime vs PyTorch max |diff| (sample batch)", f"{self.onnx_max_abs_diff:.3g}"))
+        out += [("note", n) for n in self.notes]
         return out
 
 
@@ -108,6 +116,32 @@ def _inputs_targets(loader):
     return torch.cat(xs), torch.cat(ys)
 
 
+#: the DataModule's held-out splits, in the order the job measures accuracy on them
+EVAL_SPLITS = ("test", "val")
+
+
+def defined_splits(dm) -> list[str]:
+    """Which of ``test``/``val`` the DataModule has a dataloader for, checked before any training.
+
+    Most DataModules define only ``train_dataloader`` and ``val_dataloader``; Lightning's base class has a
+    ``test_dataloader`` that raises, so the method must be the DataModule's own."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    out = []
+    for split in EVAL_SPLITS:
+        name = f"{split}_dataloader"
+        if isinstance(dm, L.LightningDataModule):
+            if is_overridden(name, dm, L.LightningDataModule):
+                out.append(split)
+        elif callable(getattr(dm, name, None)):
+            out.append(split)
+    return out
+
+
+def _loader(dm, split: Optional[str]):
+    return getattr(dm, f"{split}_dataloader")() if split else None
+
+
 @torch.no_grad()
 def accuracy(model: torch.nn.Module, loader) -> float:
     """Top-1 accuracy of a classifier over ``(inputs, targets)`` batches."""
@@ -166,10 +200,11 @@ def export_fp32(model: torch.nn.Module, sample: torch.Tensor, path: str) -> str:
 
 
 def run_job(cfg: JobConfig, *, print_table: bool = True) -> JobResult:
-    """Run the whole pipeline; see the module docstring."""
-    from lq.calibration import calibrate_model
-    from lq.callbacks import QuantCallback, QuantSwap
+    """Run the whole pipeline; see the module docstring.
 
+    Accuracy is measured on the DataModule's test split, else its val split, else not at all (said in the
+    table); the PTQ/QAT choice of ``export_best`` on val, else test. The FP32 and quantized checkpoints are
+    written before anything after training that can fail (export, onnxruntime)."""
     torch.set_flush_denormal(True)
     L.seed_everything(cfg.seed, workers=True)
     out = Path(cfg.output_dir)
@@ -178,41 +213,133 @@ def run_job(cfg: JobConfig, *, print_table: bool = True) -> JobResult:
 
     dm = _instantiate(_data_spec(cfg), "data")
     model = _instantiate(cfg.model, "model")
+    splits = defined_splits(dm)  # before training: a missing loader must not cost the user a training run
+    res.eval_split = splits[0] if splits else None
+    select = "val" if "val" in splits else res.eval_split
+    if res.eval_split is None:
+        res.notes.append(f"{type(dm).__name__} has no test_dataloader or val_dataloader: no accuracy is measured, "
+                         "and the QAT model is exported as trained")
     dm.setup("fit")
+    if "test" in splits:
+        dm.setup("test")
 
     # 1. FP32
     if cfg.fp32_epochs:
-        _trainer(cfg, out / "fp32", cfg.fp32_epochs).fit(model, datamodule=dm)
-    res.accuracy["fp32"] = accuracy(model, dm.test_dataloader())
+        fp32_trainer = _trainer(cfg, out / "fp32", cfg.fp32_epochs)
+        fp32_trainer.fit(model, datamodule=dm)
+        fp32_trainer.save_checkpoint(out / "fp32.ckpt")
+    res.accuracy["fp32"] = _accuracy(model, dm, res.eval_split)
 
     # 2. PTQ: calibrate a copy, no training
+    ptq = _ptq(cfg, model, dm)
+    res.accuracy["ptq"] = _accuracy(ptq, dm, res.eval_split)
+
+    # 3. QAT through the callback (calibrates again on its own, fine-tunes); the job exports after choosing
+    qat, cb, trainer = _qat(cfg, model, dm, out)
+    res.accuracy["qat"] = _accuracy(qat, dm, res.eval_split)
+    qat_ckpt = out / "qat.ckpt"
+    trainer.save_checkpoint(qat_ckpt)
+    chosen = _choose(cfg, res, ptq, qat, dm, select, qat_ckpt, out)
+
+    # 4. export the chosen model, then onnxruntime: accuracy, sizes and latency against the FP32 export
+    int8_path = str((out / "model_int8.onnx").resolve())
+    result = None
+    if cfg.export.enabled:
+        result = cb.exporter.run(trainer, ptq if chosen == "ptq" else qat, ckpt=str(qat_ckpt))
+        res.exported = chosen
+    res.onnx_max_abs_diff = getattr(result, "max_abs_diff", None)
+    _onnxruntime(res, model, dm, trainer, int8_path, out)
+
+    from lq import report
+
+    res.layers = report.with_kernels(list(getattr(cb, "summary_rows", []) or []), result)
+    write_results(res, out)
+    if print_table:
+        print_results(res)
+    return res
+
+
+def _accuracy(model: torch.nn.Module, dm, split: Optional[str]) -> Optional[float]:
+    """Top-1 accuracy on ``split`` (None: no split, or batches that are not ``(inputs, targets)``, said once)."""
+    if split is None:
+        return None
+    try:
+        return accuracy(model, _loader(dm, split))
+    except (TypeError, ValueError, IndexError, RuntimeError) as e:
+        import warnings
+
+        warnings.warn(f"lq-train: no accuracy on the {split} data ({type(e).__name__}: {e}); the job measures "
+                      "top-1 accuracy of a classifier on (inputs, targets) batches", stacklevel=2)
+        return None
+
+
+def _ptq(cfg: JobConfig, model: torch.nn.Module, dm) -> torch.nn.Module:
+    """A calibrated copy of ``model``, no training."""
+    from lq.calibration import calibrate_model
+    from lq.callbacks import QuantSwap
+
     ptq = copy.deepcopy(model)
     QuantSwap(cfg.quant).swap(ptq)
     calibrate_model(ptq, dm.train_dataloader(), method=cfg.calib.method, weight_method=cfg.calib.weight_method,
                     method_overrides=cfg.calib.method_overrides, num_batches=cfg.calib.num_batches,
                     percentile=cfg.calib.percentile, num_bins=cfg.calib.num_bins)
-    res.accuracy["ptq"] = accuracy(ptq, dm.test_dataloader())
+    return ptq
 
-    # 3. QAT through the callback (calibrates again on its own, fine-tunes, exports)
+
+def _qat(cfg: JobConfig, model: torch.nn.Module, dm, out: Path):
+    """A copy of ``model`` through ``QuantCallback`` (swap, calibrate, QAT) with the callback's own export off:
+    the job exports once it knows which of PTQ and QAT is better."""
+    from lq.callbacks import QuantCallback
+
     qat = copy.deepcopy(model)
     export_cfg = copy.deepcopy(cfg.export)
     export_cfg.path = str((out / "model_int8.onnx").resolve())
+    export_cfg.enabled = False
     cb = QuantCallback(cfg.quant, cfg.calib, cfg.qat, export_cfg, verbose=True)
-    _trainer(cfg, out / "qat", cfg.qat_epochs, callbacks=[cb]).fit(qat, datamodule=dm)
-    if cfg.qat_epochs == 0 and export_cfg.enabled and cb.exporter.path is None:
-        cb.exporter.run(_trainer(cfg, out / "qat", 0), qat)
-    res.accuracy["qat"] = accuracy(qat, dm.test_dataloader())
-    result = cb.exporter.result
-    res.onnx_max_abs_diff = getattr(result, "max_abs_diff", None)
+    trainer = _trainer(cfg, out / "qat", cfg.qat_epochs, callbacks=[cb])
+    trainer.fit(qat, datamodule=dm)
+    return qat, cb, trainer
 
-    # 4. onnxruntime: accuracy of the INT8 model, sizes and latency against the FP32 export
-    x, y = _inputs_targets(dm.test_dataloader())
-    int8_path = export_cfg.path
+
+def _choose(cfg: JobConfig, res: JobResult, ptq, qat, dm, split: Optional[str], qat_ckpt: Path, out: Path) -> str:
+    """``"qat"``, or ``"ptq"`` when QAT ended less accurate than PTQ on ``split`` and ``export_best`` is on; a
+    QAT that made the model worse is said either way (and the PTQ model saved as a checkpoint of its own)."""
+    if split is None or cfg.qat_epochs == 0:
+        return "qat"
+    p, q = _accuracy(ptq, dm, split), _accuracy(qat, dm, split)
+    if p is None or q is None:
+        return "qat"
+    res.selection = {"ptq": p, "qat": q}
+    if q >= p:
+        return "qat"
+    import warnings
+
+    ckpt = torch.load(qat_ckpt, map_location="cpu", weights_only=True)
+    ckpt["state_dict"] = ptq.state_dict()
+    torch.save(ckpt, out / "ptq.ckpt")  # lq.load_quantized reads it like the QAT checkpoint
+    what = (f"QAT ended less accurate than PTQ on the {split} data ({100 * q:.2f}% vs {100 * p:.2f}%, "
+            f"{100 * (q - p):+.2f} points)")
+    if cfg.export_best:
+        msg = f"{what}: the PTQ model is exported (its checkpoint: {out / 'ptq.ckpt'}; export_best=false keeps QAT)"
+    else:
+        msg = f"{what}; export_best=false, so the QAT model is exported anyway"
+    res.notes.append(msg)
+    warnings.warn(f"lq-train: {msg}", stacklevel=2)
+    return "ptq" if cfg.export_best else "qat"
+
+
+def _onnxruntime(res: JobResult, model, dm, trainer, int8_path: str, out: Path) -> None:
+    """INT8 accuracy in onnxruntime on the eval split, file sizes, and latency of both files at batch 1 and 32."""
+    if res.eval_split is not None:
+        x, y = _inputs_targets(_loader(dm, res.eval_split))
+    else:  # no held-out data: a training batch is still a sample to time and export with
+        x, y = _inputs_targets([next(iter(dm.train_dataloader()))])[0], None
     fp32_path = str(out / "model_fp32.onnx")
     export_fp32(model, x[:2], fp32_path)
     res.files = {"int8": int8_path, "fp32": fp32_path}
     if os.path.exists(int8_path):
-        res.accuracy["onnx_int8"], _ = ort_accuracy(int8_path, x, y)
+        if y is not None:
+            res.accuracy["onnx_int8"], _ = ort_accuracy(int8_path, x, y)
         res.size_bytes["model_int8.onnx"] = os.path.getsize(int8_path)
     res.size_bytes["model_fp32.onnx"] = os.path.getsize(fp32_path)
     for batch in (1, 32):
@@ -222,14 +349,6 @@ def run_job(cfg: JobConfig, *, print_table: bool = True) -> JobResult:
         res.latency_ms[("fp32", batch)] = ort_latency_ms(fp32_path, sample)
         if os.path.exists(int8_path):
             res.latency_ms[("int8", batch)] = ort_latency_ms(int8_path, sample)
-
-    from lq import report
-
-    res.layers = report.with_kernels(list(getattr(cb, "summary_rows", []) or []), result)
-    write_results(res, out)
-    if print_table:
-        print_results(res)
-    return res
 
 
 def write_results(res: JobResult, out: Path) -> None:

@@ -85,7 +85,7 @@ class MyData(L.LightningDataModule):
     def train_dataloader(self):
         return torch.utils.data.DataLoader(self.ds, batch_size=64, shuffle=True)
 
-    def test_dataloader(self):
+    def val_dataloader(self):  # no test_dataloader, as in most DataModules: the job measures on val
         return torch.utils.data.DataLoader(self.ds, batch_size=256)
 '''
 
@@ -104,7 +104,7 @@ def test_hydra_own_model_line_runs_from_the_current_directory(tmp_path):
     out = subprocess.run([*launcher, *args], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                          env=dict(env, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-4000:]
-    assert "accuracy: INT8 ONNX" in out.stdout
+    assert "accuracy: INT8 ONNX (onnxruntime) [val]" in out.stdout
     assert "takes no argument(s) ['channels', 'in_channels', 'lr', 'max_epochs_hint', 'num_classes']" in out.stderr
     assert (tmp_path / "run" / "model_int8.onnx").exists()
 
