@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from _limits import HANG_GUARD_S
 import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
@@ -180,6 +181,6 @@ def test_make_test_avx2_runs_a_test_file_in_the_emulator():
     assert ".ci/avx2" in (root / "Makefile").read_text().split("test-avx2: setup", 1)[1].split("\n\n", 1)[0]
     env = dict(os.environ, LQ_DISABLE_EXT="1", PYTHON=sys.executable)
     out = subprocess.run([str(root / ".ci" / "avx2"), "tests/test_export_linear_gemm.py", "-k", "bias-1-1-n"],
-                         cwd=root, capture_output=True, text=True, timeout=600, env=env)
+                         cwd=root, capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "1 passed" in out.stdout and "TCG" not in out.stderr

@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from _limits import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
-def _run(args, cwd, timeout=600):
+def _run(args, cwd, timeout=HANG_GUARD_S):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     out = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     assert out.returncode == 0, f"{args} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
@@ -54,7 +55,7 @@ def test_hydra_example_and_lq_train(tmp_path):
 def test_lq_train_rejects_bad_values(tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     out = subprocess.run([sys.executable, "-m", "lq.cli", "calib.method=kl", f"hydra.run.dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=HANG_GUARD_S, env=env, cwd=tmp_path)
     assert out.returncode != 0
     assert "CalibConfig.method='kl'" in out.stderr + out.stdout
 

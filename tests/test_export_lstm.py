@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from _limits import HANG_GUARD_S
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -344,6 +345,6 @@ def test_bench_lstm_export_fast_runs_as_the_readme_shows():
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-m", "bench.lstm_export", "--fast"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("LSTM matmuls 8 of 8 integer") >= 4 and "another sequence length" in out.stdout

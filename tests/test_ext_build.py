@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from _limits import HANG_GUARD_S
 
 from lq import _ext
 
@@ -29,7 +30,7 @@ def test_stale_torch_lock_of_a_killed_build_does_not_block_loading(tmp_path):
     with _ext._build_lock(build_dir):  # no live lq process is loading while the fake lock appears
         (build_dir / "lock").write_text("")  # what kill -9 of a building process leaves
     code = "import lq._ops, lq._ext; print('loaded', lq._ext.load())"
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "loaded True" in p.stdout
     assert not (build_dir / "lock").exists()
@@ -51,7 +52,7 @@ def test_build_lock_is_released_when_its_holder_dies(tmp_path):
     assert waiter.poll() is None
     os.kill(holder.pid, signal.SIGKILL)  # ... until the builder dies, like an interrupted build
     holder.wait()
-    out, _ = waiter.communicate(timeout=60)
+    out, _ = waiter.communicate(timeout=HANG_GUARD_S)
     assert "acquired" in out
 
 
@@ -98,7 +99,7 @@ def test_the_suite_builds_in_its_own_cache_not_the_users():
     root = _ext.source_dir().parent
     assert _ext.cache_root() == root / "build" / "ext-cache"
     p = subprocess.run([sys.executable, "-c", "from lq import _ext; print(_ext.cache_root())"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert p.stdout.strip() == str(root / "build" / "ext-cache")
 
 
@@ -115,7 +116,7 @@ def test_import_lq_builds_nothing(tmp_path):
             "print('loaded', lq._ext.is_loaded())\n"
             "print('cache', os.path.exists(os.environ['LQ_EXT_CACHE']) and os.listdir(os.environ['LQ_EXT_CACHE']))")
     env = dict(os.environ, LQ_EXT_CACHE=str(tmp_path / "empty_cache"))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "loaded False" in p.stdout and "cache False" in p.stdout
     assert "building the C++ kernels" not in p.stderr
@@ -127,7 +128,7 @@ def test_the_kernels_are_built_for_the_isa_torch_runs_not_the_one_proc_cpuinfo_l
     code = ("import torch, lq._ext as e; print(torch.backends.cpu.get_cpu_capability(), e.cpu_capability(), "
             "'-mavx512f' in e.build_flags()[0])")
     for cap, want in (("avx2", "AVX2 AVX2 False"), ("default", "DEFAULT DEFAULT False")):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S,
                              env=dict(os.environ, ATEN_CPU_CAPABILITY=cap))
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.split()[-3:] == want.split(), out.stdout

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from _limits import HANG_GUARD_S
 import torch
 
 import lq
@@ -91,7 +92,7 @@ def test_bad_environment_value_warns_and_uses_the_default():
         "print(m.cpu_cache_stats()['idle_bytes'])"
     )
     env = dict(os.environ, LQ_CPU_CACHE_MB="lots")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
     assert r.returncode == 0, r.stderr
     assert "LQ_CPU_CACHE_MB must be a whole number" in r.stderr
     assert int(r.stdout.strip().splitlines()[-1]) == 512 * 1024 * 4

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _limits import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -32,7 +33,7 @@ def test_the_readme_has_the_snippets_this_file_runs():
 def test_python_snippet_runs_as_written(tmp_path, index):
     code = "import torch\ntorch.set_flush_denormal(True)\n" + PYTHON_BLOCKS[index]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S,
                          env=env)
     assert out.returncode == 0, f"README snippet {index} failed:\n{PYTHON_BLOCKS[index]}\n{out.stderr[-4000:]}"
     if "export" in PYTHON_BLOCKS[index] or "QuantCallback" in PYTHON_BLOCKS[index]:
@@ -48,7 +49,7 @@ def test_lightning_cli_command_runs_as_written(tmp_path):
     exe = shutil.which("lq-cli")  # the console script, as the README has it
     launcher = [exe] if exe else [sys.executable, "-c", "from lq.cli import lightning_cli; lightning_cli()"]
     out = subprocess.run([*launcher, *args, "--trainer.enable_progress_bar=false"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+                         cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
     assert list(tmp_path.glob("**/model_int8.onnx"))
 
@@ -101,7 +102,7 @@ def test_hydra_own_model_line_runs_from_the_current_directory(tmp_path):
     exe = shutil.which("lq-train")
     launcher = [exe] if exe else [sys.executable, "-c", "from lq.cli import train; train()"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([*launcher, *args], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    out = subprocess.run([*launcher, *args], cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S,
                          env=dict(env, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-4000:]
     assert "accuracy: INT8 ONNX (onnxruntime) [val]" in out.stdout
@@ -115,13 +116,13 @@ def test_bad_values_give_one_line_not_a_traceback(tmp_path):
     out = subprocess.run([*launcher, "fit", "--model", "lq.zoo.SmallCNN", "--data", "lq.zoo.DigitsDataModule",
                           "--trainer.max_epochs=1", "--trainer.callbacks+=lq.QuantCallback",
                           "--trainer.callbacks.calib.method=kl"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=HANG_GUARD_S)
     assert out.returncode == 2
     assert "lq-cli: CalibConfig.method='kl' is not allowed: choose one of ['auto', 'max'" in out.stderr
     assert "Traceback" not in out.stderr
     exe = shutil.which("lq-train")
     launcher = [exe] if exe else [sys.executable, "-c", "from lq.cli import train; train()"]
-    out = subprocess.run([*launcher, "calib.methd=max"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([*launcher, "calib.methd=max"], cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 2 and "did you mean 'calib.method'" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -140,7 +141,7 @@ def test_lq_train_lines_run_as_written(tmp_path, line):
     args += [f"{k}={v}" for k, v in FAST.items() if k not in given] + [f"hydra.run.dir={tmp_path / 'run'}"]
     exe = shutil.which("lq-train")
     launcher = [exe] if exe else [sys.executable, "-c", "from lq.cli import train; train()"]
-    out = subprocess.run([*launcher, *args], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    out = subprocess.run([*launcher, *args], cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-4000:]
     assert "accuracy: INT8 ONNX" in out.stdout and (tmp_path / "run" / "model_int8.onnx").exists()
@@ -162,5 +163,5 @@ def test_every_lq_path_the_docs_show_resolves_after_import_lq():
             "    try:\n        functools.reduce(getattr, p.split('.')[1:], lq)\n"
             "    except AttributeError as e:\n        bad.append(f'{p}: {e}')\nprint('\\n'.join(bad))\n"
             "sys.exit(1 if bad else 0)")
-    out = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]

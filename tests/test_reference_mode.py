@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _limits import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parent
 
@@ -22,7 +23,7 @@ SUITES = ["test_tensor_quant.py", "test_tensor_quantizer.py", "test_calib.py", "
 def test_core_suites_pass_with_extension_disabled():
     env = dict(os.environ, LQ_DISABLE_EXT="1")
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITES],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     tail = out.stdout[-3000:]
     assert out.returncode == 0, tail + out.stderr[-3000:]
     assert " passed" in tail and " failed" not in tail

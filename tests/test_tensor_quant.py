@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 import pytest
+from _limits import HANG_GUARD_S
 import torch
 
 from lq import tensor_quant as tq
@@ -472,7 +473,7 @@ def test_reference_path_warns_nothing_when_disabled_on_purpose():
         "print(tq.tensor_quant(x, x.abs().max())[0].tolist())\n"
     )
     env = dict(__import__("os").environ, LQ_DISABLE_EXT="1")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str([126.0, 113.0, 127.0, 59.0, 11.0, 23.0, 47.0, 73.0, 43.0, 27.0])
 
@@ -491,6 +492,6 @@ def test_missing_compiler_falls_back_with_one_warning(tmp_path):
     # a PATH without compilers and an empty cache: the build must fail and fall back
     env = dict(__import__("os").environ, PATH=str(tmp_path), LQ_EXT_CACHE=str(tmp_path / "cache"), CXX="no-such-cxx")
     env.pop("LQ_DISABLE_EXT", None)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "False"]

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from _limits import HANG_GUARD_S
 import torch
 from torch import nn
 
@@ -357,7 +358,7 @@ def test_state_dict_new_process_identical_outputs(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if not lq.extension_loaded():  # the child uses the same kernels as this process (and never tries a build)
         env["LQ_DISABLE_EXT"] = "1"
-    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO, timeout=300)
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO, timeout=HANG_GUARD_S)
     assert torch.equal(torch.load(tmp_path / "out.pt"), expect)
 
 
