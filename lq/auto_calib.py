@@ -29,6 +29,7 @@ included, so every rank takes the same decisions (their histograms are already r
 from __future__ import annotations
 
 import logging
+import math
 import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -84,16 +85,26 @@ class AutoResult:
             return 0.0
         return self.auto_score - self.max_score
 
+    @property
+    def error_ratio(self) -> float | None:
+        """The choice's squared output error over all-``max``'s (``(1 - auto_score) / (1 - max_score)``; below
+        1 is better), None when the search kept ``max`` everywhere."""
+        if self.auto_score is None or self.max_score is None:
+            return None
+        return (1.0 - self.auto_score) / (1.0 - self.max_score) if self.max_score < 1.0 else math.inf
+
     def __str__(self) -> str:
         choice = ", ".join(f"{g}: {m}" for g, m in self.chosen.items())
         if self.auto_score is None:
             return f"calibration method 'auto' kept max for every role ({choice})"
-        scores = (f"{self.metric} on {self.batches} calibration batch(es): ")
+        on = f"{self.metric}, {self.batches} calibration batch(es)"
+        ratio = f"{self.error_ratio:.2f}x"
         if self.fell_back:
             return (f"calibration method 'auto' fell back to max for every role: its per-role choice ({choice}) "
-                    f"scored {self.auto_score:.4f} against max's {self.max_score:.4f} ({scores.rstrip(': ')})")
-        return (f"calibration method 'auto' chose {choice}; {scores}{self.auto_score:.4f} vs "
-                f"{self.max_score:.4f} with max everywhere ({self.gain:+.4f})")
+                    f"scored {self.auto_score:.5f} against max's {self.max_score:.5f}, {ratio} max's squared error "
+                    f"({on})")
+        return (f"calibration method 'auto' chose {choice}: {self.auto_score:.5f} against {self.max_score:.5f} with "
+                f"max everywhere ({self.gain:+.5f}; {ratio} max's squared error; {on})")
 
 
 def role(layer: str) -> str:

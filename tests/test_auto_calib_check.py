@@ -11,6 +11,7 @@ role, and on the pages with text they wipe the score maps out.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -182,3 +183,65 @@ def test_auto_still_beats_max_on_pages_with_text(detector):
     assert r2_auto > r2_max and a.gain > 0
     assert a.gain == pytest.approx(r2_auto - r2_max, rel=0.3)  # on 8 of the 8 batches, per-batch float sums
     assert _iou(auto, model, test) > 0.95
+
+
+# ====================================================================== torch.distributed
+def _ddp_model():
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_auto_calib import MLP
+
+    from lq.convert import quantize_model
+
+    torch.manual_seed(2)
+    m = MLP().eval()
+    with torch.no_grad():
+        m.blocks[0]["fc1"].weight[:4] *= 8  # a few outlier channels into the GELU: auto leaves max there
+    quantize_model(m, glue=False)
+    return m
+
+
+def _ddp_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    torch.set_flush_denormal(True)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from sklearn.datasets import load_digits
+
+        x = torch.tensor(load_digits().images[:256], dtype=torch.float32).reshape(-1, 64) / 16.0
+        # the ranks see different data, in different amounts: alone, each would score the methods differently
+        batches = list(x[:128].split(16)) if rank == 0 else list((1.5 * x[128:176]).split(16))
+        m = _ddp_model()
+        res = calibrate_model(m, batches, method="auto")
+        a = res.auto
+        torch.save({"amax": {k: v.clone() for k, v in res.items()},
+                    "auto": (a.chosen, a.methods, a.fell_back, a.auto_score, a.max_score, a.batches)},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_takes_the_same_decision(monkeypatch):
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    import lq
+
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed unavailable")
+    if not lq.extension_loaded():  # the children use the same kernels as this process (and never try a build)
+        monkeypatch.setenv("LQ_DISABLE_EXT", "1")
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_ddp_worker, args=(2, os.path.join(d, "init"), d), nprocs=2, join=True)
+        r0, r1 = (torch.load(os.path.join(d, f"rank{r}.pt")) for r in (0, 1))
+    assert r0["amax"].keys() == r1["amax"].keys()
+    for k in r0["amax"]:
+        assert torch.equal(r0["amax"][k], r1["amax"][k]), k
+    (c0, m0, f0, a0, x0, b0), (c1, m1, f1, a1, x1, b1) = r0["auto"], r1["auto"]
+    assert (c0, m0, f0) == (c1, m1, f1) and any(m != "max" for m in c0.values())
+    assert a0 == a1 and x0 == x1 and a0 is not None  # the check ran, on rank-averaged scores
+    assert (b0, b1) == (8, 3)

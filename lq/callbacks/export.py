@@ -63,7 +63,9 @@ class QuantExport(L.Callback):
             if loader is None:
                 continue
             for batch in loader:
-                return first_input(batch)
+                from lq.calibration import sample_inputs
+
+                return sample_inputs(pl_module, batch)  # the batch-to-call rule calibration uses
         raise ExportFailed("no dataloader batch to trace the export with: pass QuantExport(sample_input=...)")
 
     def _safe_checkpoint(self, trainer: L.Trainer) -> Optional[str]:
