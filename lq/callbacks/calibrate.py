@@ -156,8 +156,8 @@ class QuantCalibrate(L.Callback):
         st["seen"] += 1
         from lq import auto_calib
 
-        if "auto" in st["methods"].values() and len(st["selection"]) < auto_calib.SELECTION_BATCHES:
-            st["selection"].append(batch)  # what method "auto" compares the model on afterwards
+        if "auto" in st["methods"].values() and len(st["selection"]) < auto_calib.CHECK_BATCHES:
+            st["selection"].append(batch)  # what method "auto" compares the model on afterwards (and checks)
         if st["seen"] >= self.calib.num_batches:
             for _, q in st["quantizers"]:
                 q.disable_calib()
@@ -180,7 +180,8 @@ class QuantCalibrate(L.Callback):
                 from lq import auto_calib
 
                 selection = [trainer.strategy.batch_to_device(_clone(b)) for b in st["selection"]]
-                auto_calib.choose(pl_module, st["quantizers"], st["methods"], selection, self.forward)
+                auto_calib.choose(pl_module, st["quantizers"], st["methods"], selection[:auto_calib.SELECTION_BATCHES],
+                                  self.forward, check=selection)
                 self.last_amax = {n: q.amax for n, q in st["quantizers"] if n in self.last_amax}
         self.calibrated = True
         rank_zero_info(f"lq: calibrated {len(self.last_amax)} quantizer(s) with method={self.calib.method}")
