@@ -2,7 +2,7 @@
 
     python examples/lightning_cli.py fit --config examples/lightning_cli.yaml
     python examples/lightning_cli.py fit --model lq.zoo.SmallCNN --data lq.zoo.DigitsDataModule \\
-        --trainer.max_epochs 2 --trainer.callbacks+=lq.QuantCallback --trainer.callbacks.calib.method=entropy
+        --trainer.max_epochs 10 --trainer.callbacks+=lq.QuantCallback --trainer.callbacks.calib.method=percentile
 
 (`lq-cli` is the same entry point, installed with the package.)
 """

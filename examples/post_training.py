@@ -24,9 +24,9 @@ def main(fast: bool = False, out: str = "outputs/post_training") -> dict:
     L.Trainer(max_epochs=1 if fast else 6, logger=False, enable_checkpointing=False, default_root_dir=out,
               limit_train_batches=3 if fast else None).fit(model, datamodule=dm)
 
-    # The callback swaps the layers at setup; the first validate() calibrates (entropy, 8 batches),
+    # The callback swaps the layers at setup; the first validate() calibrates (percentile, 8 batches),
     # the second one measures the INT8 model.
-    cb = lq.QuantCallback(calib=CalibConfig(method="entropy", num_batches=8), verbose=False)
+    cb = lq.QuantCallback(calib=CalibConfig(method="percentile", num_batches=8), verbose=False)
     trainer = L.Trainer(logger=False, callbacks=[cb], default_root_dir=out)
     fp32 = trainer.validate(model, datamodule=dm, verbose=False)[0]["val_acc"]
     int8 = trainer.validate(model, datamodule=dm, verbose=False)[0]["val_acc"]
