@@ -55,7 +55,6 @@ class JobResult:
             out.append(("speedup INT8 vs FP32, batch 32", f"{self.latency_ms[('fp32', 32)] / self.latency_ms[('int8', 32)]:.2f}x"))
         if self.onnx_max_abs_diff is not None:
             out.append(("onnxruntime vs PyTorch max |diff| (sample batch)", f"{self.onnx_max_abs_diff:.3g}"))
-        out += [("note", n) for n in self.notes]
         return out
 
 
@@ -359,12 +358,14 @@ def write_results(res: JobResult, out: Path) -> None:
 
     lines = ["# lq-train results", "", "| measure | value |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in res.rows()]
+    lines += [""] + [f"Note: {n}" for n in res.notes] if res.notes else []
     if res.layers:
         lines += ["", "## Quantizers", "", report.markdown_table(res.layers)]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     data = {"accuracy": res.accuracy, "size_bytes": res.size_bytes,
             "latency_ms": {f"{m}, batch {b}": v for (m, b), v in res.latency_ms.items()},
             "onnx_max_abs_diff": res.onnx_max_abs_diff, "files": res.files, "table": dict(res.rows()),
+            "eval_split": res.eval_split, "selection": res.selection, "exported": res.exported, "notes": res.notes,
             "layers": res.layers}
     (out / "results.json").write_text(json.dumps(data, indent=2, default=str))
 
@@ -379,4 +380,6 @@ def print_results(res: JobResult) -> None:
     t.add_column("value", justify="right")
     for k, v in res.rows():
         t.add_row(k, v)
+    if res.notes:
+        t.caption = "\n".join(f"Note: {n}" for n in res.notes)
     print_rich(t)
