@@ -196,7 +196,7 @@ def test_export_is_one_fused_op_per_layer_direction_with_pytorchs_numbers(tmp_pa
     assert weights and set(weights.values()) == {want}
     assert ("rnn" in res.uint8_weights) == (want == TensorProto.UINT8)  # and the export says so, once
     assert res.uint8_weights.count("rnn") <= 1
-    assert res.max_abs_diff <= res.tolerance
+    assert res.verified
     lstm = [k for k in res.layer_kernels if k.layer == "rnn"]
     assert len(lstm) == 4 and all(k.integer and k.kernel == "DynamicQuantizeLSTM" for k in lstm)
     assert any("DynamicQuantizeLSTM" in w for w in res.warnings)  # the thread-count caveat is said
@@ -306,7 +306,7 @@ def test_callback_trains_checkpoints_and_exports_the_fused_lstm(tmp_path):
               callbacks=[cb, ckpt]).fit(model, datamodule=dm)
     assert model.rnn.runtime_dynamic and not torch.equal(model.rnn.weight_hh_l0, before)  # QAT trained it
     ops = [n.op_type for n in all_nodes(onnx.load(str(tmp_path / "lstm.onnx")).graph)]
-    assert ops.count("DynamicQuantizeLSTM") == 2 and cb.exporter.result.max_abs_diff <= cb.exporter.result.tolerance
+    assert ops.count("DynamicQuantizeLSTM") == 2 and cb.exporter.result.verified
     x = dm.arrays("test")[0][:32]
     model.eval()
     loaded = lq.load_quantized(LSTMDigits, ckpt.last_model_path)

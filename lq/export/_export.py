@@ -99,11 +99,13 @@ def export_onnx(
             absorb ``|gamma / sqrt(var + eps)|``).
         check: run ``onnx.checker.check_model``.
         verify: run the model in onnxruntime on ``sample_input`` and compare with the PyTorch
-            fake-quant output; raise :class:`VerificationError` beyond the tolerance.
-        rtol, atol: allowed ``max|ort - torch| <= atol + rtol * max|torch|``; ``tolerance`` is an
-            alias of ``atol``. Default when neither is given: 5% of ``max|torch output|``, and never less
-            than two quantization steps at the output (one flipped rounding there is normal between
-            runtimes; a barely trained model has outputs of only a few steps).
+            fake-quant output; raise :class:`VerificationError` when they disagree. Judged in output
+            quantization steps (see :mod:`lq.export._verify`): an output fails when more than 2% of its
+            elements are over 4 steps off (rounding ties cascade through a deep network: a few steps are
+            normal), or, for (batch, classes) logits, when the top-1 class differs beyond a rounding tie on more
+            than 1% of the rows. The numbers are in ``ExportResult.output_checks``.
+        rtol, atol: when given, the verdict is ``max|ort - torch| <= atol + rtol * max|torch|`` instead (the
+            step numbers are still measured and reported); ``tolerance`` is an alias of ``atol``.
         input_names, output_names: graph input/output names (default ``input``, ``output``).
         dynamic_batch: make dim 0 of inputs and outputs dynamic.
         dynamic_spatial: also make the spatial dims (H, W, ...: every dim after the channels of an input of
@@ -333,8 +335,12 @@ def export_onnx(
     data = proto.SerializeToString()
     max_diff = tol = None
     ort_ops: Counter = Counter()
+    checks: list[_verify.OutputCheck] = []
+    verdict = None
     if verify:
         max_diff, ref_max = 0.0, 0.0
+        steps = _verify.output_steps(proto)
+        by_output: dict[int, _verify.OutputCheck] = {}
         for inputs, refs in cases:
             feeds = [a.numpy() for a in inputs if isinstance(a, torch.Tensor)]
             bad_in = _verify.nonfinite_report(feeds, input_names)
@@ -366,19 +372,22 @@ def export_onnx(
                                         f"The file was saved as {_unverified(path)}; {path} was not written.")
             max_diff = max(max_diff, _verify.max_abs_diff(ort_out, refs))
             ref_max = max([ref_max] + [float(np.abs(r).max()) for r in refs if r.size])
-        step = _verify.output_step(proto)
-        if atol is None and not rtol:
-            # 5% of the largest output, and never less than two quantization steps flipped at the output
-            tol = max(0.05 * ref_max, 2.0 * step) + 1e-6
-        else:
+            for i, (out, o, r) in enumerate(zip(proto.graph.output, ort_out, refs)):
+                by_output[i] = _verify.compare_output(out.name, o, r, steps[i], by_output.get(i))
+        checks = list(by_output.values())
+        if atol is None and not rtol:  # judged in output steps (see _verify: FAR_STEPS, FAR_FRACTION, TOP1_FRACTION)
+            failed = _verify.step_verdict(checks)
+        else:  # the user's bound on max|diff| wins; the step numbers are still reported
             tol = (atol or 0.0) + rtol * ref_max
-        if not max_diff <= tol:
+            failed = "" if max_diff <= tol else (
+                f"max abs diff {max_diff:.4g} is more than the tolerance {tol:.4g} "
+                f"(atol={atol}, rtol={rtol}, max|output|={ref_max:.4g})")
+        verdict = "; ".join(c.text() for c in checks)
+        if failed:
             _save_unverified(proto, path)
             raise VerificationError(
-                f"onnxruntime output differs from the PyTorch fake-quant output by max abs diff {max_diff:.4g}, "
-                f"more than the tolerance {tol:.4g} (atol={atol}, rtol={rtol}, max|output|={ref_max:.4g}, "
-                f"output quantization step {step:.3g}). The model was saved as {_unverified(path)}; {path} was "
-                "not written")
+                f"onnxruntime's output is not the PyTorch fake-quant output: {failed}.\nMeasured: {verdict}. The "
+                f"model was saved as {_unverified(path)}; {path} was not written")
     _atomic_save(proto, path)
     kernels: list[LayerKernel] = []
     if check_fusion:
@@ -407,6 +416,7 @@ def export_onnx(
         speed = _speed_note(data, twin, cases[0][0], providers, kernels, loops, notes)
     return ExportResult(
         path=path, opset=opset, exporter=exporter, max_abs_diff=max_diff, tolerance=tol, providers=providers,
+        output_checks=checks, verdict=verdict,
         file_size=os.path.getsize(path), quantized=infos, folded_bn=folds, ort_ops=ort_ops,
         qdq_nodes=_count_qdq(proto), input_names=input_names, output_names=output_names, warnings=notes,
         export_seconds=export_seconds, uint8_weights=u8_weights, layer_kernels=kernels, speedup=speed)

@@ -16,7 +16,8 @@ from lq.export._kernel_report import LayerKernel
 
 
 class VerificationError(ExportError):
-    """onnxruntime's output differs from PyTorch's fake-quant output by more than the tolerance."""
+    """onnxruntime's output is not PyTorch's fake-quant output: too many elements more than two output steps
+    off, top-1 classes that differ beyond a tie, or (when the user set one) more than the tolerance."""
 
 
 @dataclasses.dataclass
@@ -28,7 +29,13 @@ class ExportResult:
         opset: its default-domain opset.
         exporter: "dynamo" or "legacy".
         max_abs_diff: max |onnxruntime - PyTorch fake-quant| on the sample (None when not verified).
-        tolerance: the allowed difference (``atol + rtol * max|PyTorch output|``).
+        tolerance: the bound on ``max_abs_diff`` the user set (``atol + rtol * max|PyTorch output|``); None when
+            none was set and the file was judged in output steps (``output_checks``).
+        output_checks: per output, what verification measured (:class:`lq.export._verify.OutputCheck`): its
+            quantization step, how many elements are more than 1 and 2 steps from PyTorch's, the largest
+            difference in steps, and for (batch, classes) logits the rows whose top-1 class differs. Empty when
+            not verified.
+        verdict: those numbers in one line (None when not verified).
         providers: onnxruntime execution providers used for verification.
         file_size: bytes of the ONNX file.
         quantized: every quantized tensor (layer, weight/activation, dtype, axis, scale).
@@ -64,6 +71,28 @@ class ExportResult:
     uint8_weights: list[str] = dataclasses.field(default_factory=list)
     layer_kernels: list[LayerKernel] = dataclasses.field(default_factory=list)
     speedup: float | None = None
+    output_checks: list[_verify.OutputCheck] = dataclasses.field(default_factory=list)
+    verdict: str | None = None
+
+    @property
+    def verified(self) -> bool:
+        """Verification ran and the file passed it (:func:`export_onnx` raises when it does not)."""
+        return self.max_abs_diff is not None
+
+    def judge(self, got: list, want: list) -> str:
+        """``""`` when onnxruntime's outputs ``got`` (on another input, CPU or session) agree with PyTorch's
+        ``want`` as verification requires, else why not: the same rule and output steps as the export's own
+        check (the user's tolerance when one was set), for tests and for checking a deployment. ``got`` and
+        ``want`` are the file's first outputs, in order."""
+        if self.tolerance is not None:
+            d = _verify.max_abs_diff(got, want)
+            return "" if d <= self.tolerance else (
+                f"max abs diff {d:.4g} is more than the tolerance {self.tolerance:.4g}")
+        if not self.output_checks or len(got) > len(self.output_checks) or len(want) != len(got):
+            raise ValueError(f"the file has {len(self.output_checks)} verified output(s), got {len(got)} and "
+                             f"{len(want)} to judge")
+        return _verify.step_verdict([_verify.compare_output(c.name, g, w, c.step if c.from_graph else 0.0)
+                                     for c, g, w in zip(self.output_checks, got, want)])
 
     def kernel_of(self, layer: str) -> str | None:
         """What onnxruntime runs for ``layer`` (e.g. ``QLinearConv``, or ``Conv (float: <why>)``), None if unknown."""
@@ -82,8 +111,10 @@ class ExportResult:
     def summary(self) -> str:
         lines = [f"ONNX export: {self.path} ({self.file_size / 1024:.1f} KiB, opset {self.opset}, {self.exporter})"]
         if self.max_abs_diff is not None:
+            bound = f"tolerance {self.tolerance:.3g}" if self.tolerance is not None else "judged in output steps"
             lines.append(f"  onnxruntime vs PyTorch fake-quant: max abs diff {self.max_abs_diff:.3g} "
-                         f"(tolerance {self.tolerance:.3g}, providers {', '.join(self.providers)})")
+                         f"({bound}, providers {', '.join(self.providers)})")
+            lines.extend(f"    {c.text()}" for c in self.output_checks)
         lines.append(f"  Q/DQ nodes: {self.qdq_nodes}; quantized tensors: {len(self.quantized)}")
         folded = [f.bn for f in self.folded_bn if f.skipped is None]
         if folded:
