@@ -43,7 +43,6 @@ class LayerKernel:
     op: str  # the op in the exported file
     kernel: str  # the op onnxruntime runs (QLinearConv, QGemm, MatMulIntegerToFloat ... or a float op)
     reason: str | None = None  # why it is float (None when it is an integer kernel)
-    copies: int = 1  # how many exported ops of the layer run it (a conv computed once per reader's grid)
 
     @property
     def integer(self) -> bool:
@@ -55,8 +54,7 @@ class LayerKernel:
         return self.reason in CHOSEN
 
     def text(self) -> str:
-        kernel = self.kernel if self.copies == 1 else f"{self.kernel} x{self.copies}"
-        return kernel if self.integer else f"{kernel} (float: {self.reason})"
+        return self.kernel if self.integer else f"{self.kernel} (float: {self.reason})"
 
 
 def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: dict | None = None) -> str | None:
@@ -161,15 +159,8 @@ def _runs_as(n: onnx.NodeProto, opt_by_name: dict, opt_cons: dict, prod: dict) -
 
 def layer_kernels(model: onnx.ModelProto, optimized: onnx.ModelProto, layer_of: dict[str, str]) -> list[LayerKernel]:
     """For every quantized compute op (and quantized join or pool) of ``model``, loop bodies included: what
-    onnxruntime runs, one row per layer and kernel.
-
-    A layer whose output two quantizers of different scales read is exported twice (:func:`lq.export._placement`'s
-    copies, so that each copy fuses): one row with ``copies=2``, not the layer listed twice."""
-    rows: dict[tuple, LayerKernel] = {}
-    for k in _kernels(Graph(model), optimized.graph, model, layer_of):
-        key = (k.layer, k.op, k.kernel, k.reason)
-        rows[key] = dataclasses.replace(k, copies=rows[key].copies + 1) if key in rows else k
-    return list(rows.values())
+    onnxruntime runs."""
+    return _kernels(Graph(model), optimized.graph, model, layer_of)
 
 
 def _kernels(g: Graph, optimized: onnx.GraphProto, model: onnx.ModelProto, layer_of: dict) -> list[LayerKernel]:

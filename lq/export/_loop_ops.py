@@ -1,87 +1,27 @@
-"""Torch-side placeholders that let ``export_onnx`` write a recurrent layer as one ONNX ``Scan``, not unrolled.
+"""The exporter's side of a recurrent layer written as one ONNX ``Scan`` (or one fused LSTM), not unrolled.
 
-Why: torch.export follows a Python loop step by step, so an LSTM over T steps became T copies of its step
-(fixed to the sample's T, thousands of nodes, minutes to export). Inside lq's own export a ``QuantLSTM``
-(:meth:`~lq.nn.QuantLSTM._direction_loop`) emits, per layer and direction, instead:
-
-* ``lq_export::loop_state(h0)``: a marker for "the hidden state the step reads". The layer's input quantizer
-  is applied to it in the traced graph, so the quantizer writes its own Q/DQ (whatever kind it is) once, and
-  :mod:`lq.export._loops` moves the nodes between the marker and the op into the loop body: no second copy
-  of any quantizer's numerics exists here;
-* ``lq_export::lstm_scan(xw, h0, c0, h_q, w_hh, b_hh, w_hr, reverse, hidden_size)``: the recurrence. ``xw``
-  is the input projection of every step at once (one large GEMM outside the loop, exact because the input
-  quantizer is elementwise with a fixed amax), ``h_q`` the quantized marker, ``w_hh`` / ``w_hr`` the quantized
-  recurrent / projection weights (their Q/DQ is moved into the body, where onnxruntime fuses it).
-
-A ``QuantLSTM`` with ``runtime_dynamic`` activations emits ``lq_export::dynamic_lstm(x, h0, c0, w_ih, w_hh,
-b_ih, b_hh, reverse, hidden_size)`` per layer and direction instead: the whole layer as onnxruntime's fused
-``DynamicQuantizeLSTM`` (:mod:`lq.export._dynamic_lstm` writes it once the weights are integer constants).
-
-The ops exist for tracing only (fake implementations give the shapes; ``lstm_scan`` refuses to run
-eagerly: ``h_q`` tells how ``h`` is quantized, not its values). :func:`translations` writes them as
-placeholder nodes of the ``lq.export`` domain, which :mod:`lq.export._loops` turns into ``Scan``.
-:func:`loop_mode` switches the ``QuantLSTM`` modules of the model being exported to this path where their
-numerics allow it, and says which ones stay unrolled and why.
+A ``QuantLSTM`` traces as the markers of :mod:`lq.nn.modules._rnn_markers` (``loop_state``, ``lstm_scan``,
+``dynamic_lstm``) when :func:`loop_mode` switches it to that path, where its numerics allow it (and says which
+layers stay unrolled and why). :func:`translations` writes the markers as placeholder nodes of the
+``lq.export`` domain, which :mod:`lq.export._loops` turns into ``Scan`` and :mod:`lq.export._dynamic_lstm`
+into onnxruntime's ``DynamicQuantizeLSTM``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
-from torch import Tensor
 
 from lq.export._symbolic import DOMAIN, VERSION, register_placeholder
+from lq.nn.modules._rnn_markers import dynamic_lstm, loop_state, lstm_scan  # noqa: F401  (the ops this writes)
 
 __all__ = ["loop_state", "lstm_scan", "dynamic_lstm", "loop_mode", "translations"]
 
 LOOP_STATE = "LoopState"
 LSTM_SCAN = "LSTMScan"
 DYNAMIC_LSTM = "DynamicLSTM"
-
-
-@torch.library.custom_op("lq_export::loop_state", mutates_args=())
-def loop_state(h: Tensor) -> Tensor:
-    """The step's input state ``h`` (a copy); in the exported graph, the point where the loop body begins."""
-    return h.clone()
-
-
-@loop_state.register_fake
-def _(h):
-    return torch.empty_like(h)
-
-
-@torch.library.custom_op("lq_export::lstm_scan", mutates_args=())
-def lstm_scan(xw: Tensor, h0: Tensor, c0: Tensor, h_q: Tensor, w_hh: Tensor, b_hh: Optional[Tensor],
-              w_hr: Optional[Tensor], reverse: bool, hidden_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(outputs (T, B, P), h_T (B, P), c_T (B, H))`` of one LSTM layer and direction; export placeholder only."""
-    raise RuntimeError("lq_export::lstm_scan marks a QuantLSTM layer for lq.export.export_onnx and does not run; "
-                       "call the QuantLSTM module itself")
-
-
-def _layer_outputs(x, h0, c0):
-    """Shapes of a recurrent placeholder's outputs: ``(T, B, H)`` from ``x``'s ``(T, B)``, and the final state."""
-    return x.new_empty(x.shape[0], x.shape[1], h0.shape[-1]), torch.empty_like(h0), torch.empty_like(c0)
-
-
-@lstm_scan.register_fake
-def _(xw, h0, c0, h_q, w_hh, b_hh, w_hr, reverse, hidden_size):
-    return _layer_outputs(xw, h0, c0)
-
-
-@torch.library.custom_op("lq_export::dynamic_lstm", mutates_args=())
-def dynamic_lstm(x: Tensor, h0: Tensor, c0: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Optional[Tensor],
-                 b_hh: Optional[Tensor], reverse: bool, hidden_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(outputs (T, B, H), h_T (B, H), c_T (B, H))`` of one layer and direction run as onnxruntime's
-    ``DynamicQuantizeLSTM``; export placeholder only (``w_ih``/``w_hh``: the quantized weights)."""
-    raise RuntimeError("lq_export::dynamic_lstm marks a QuantLSTM layer for lq.export.export_onnx and does not run; "
-                       "call the QuantLSTM module itself")
-
-
-@dynamic_lstm.register_fake
-def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, reverse, hidden_size):
-    return _layer_outputs(x, h0, c0)
 
 
 @contextlib.contextmanager

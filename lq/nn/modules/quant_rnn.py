@@ -42,6 +42,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from lq import tensor_quant
+from lq.nn.modules import _rnn_markers
 from lq.nn.modules._runtime_dynamic import runtime_dynamic_fake_quant
 from lq.nn.modules._utils import QuantMixin, _tensor_quantizer_cls, quant_class
 
@@ -258,21 +259,19 @@ class QuantLSTM(nn.LSTM, QuantMixin):
 
     def _direction_loop(self, seq, h, c, idx, reverse):
         """Export path of :meth:`_direction` over a whole ``(T, B, F)`` sequence: one ``lq_export::lstm_scan``
-        placeholder (written as an ONNX ``Scan`` by lq.export). ``x`` of all steps is quantized and projected
+        marker (:mod:`lq.nn.modules._rnn_markers`; written as an ONNX ``Scan`` by lq.export). ``x`` of all steps is quantized and projected
         at once; the quantizer of ``h`` is traced on a ``loop_state`` marker so the export moves exactly those
         nodes into the loop body. Returns the outputs ``(T, B, P)`` and the final ``h, c``."""
-        from lq.export import _loop_ops
-
         w_ih, w_hh, b_ih, b_hh, w_hr = self._layer_params(idx)
         w_ih, w_hh = quantize_side_by_side(self._weight_quantizers[idx], [w_ih, w_hh])
         if w_hr is not None:
             w_hr = self._weight_hr_quantizers[idx](w_hr)
         if self.runtime_dynamic:  # the whole layer as onnxruntime's DynamicQuantizeLSTM
-            return _loop_ops.dynamic_lstm(seq, h, c, w_ih, w_hh, b_ih, b_hh, reverse, self.hidden_size)
+            return _rnn_markers.dynamic_lstm(seq, h, c, w_ih, w_hh, b_ih, b_hh, reverse, self.hidden_size)
         in_q = self._input_quantizers[idx]
         xw = F.linear(in_q(seq), w_ih, b_ih)
-        h_q = in_q(_loop_ops.loop_state(h))
-        return _loop_ops.lstm_scan(xw, h, c, h_q, w_hh, b_hh, w_hr, reverse, self.hidden_size)
+        h_q = in_q(_rnn_markers.loop_state(h))
+        return _rnn_markers.lstm_scan(xw, h, c, h_q, w_hh, b_hh, w_hr, reverse, self.hidden_size)
 
     def _initial_state(self, hx, batch, batched, like):
         n = self.num_layers * self._num_directions
