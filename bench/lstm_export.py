@@ -121,7 +121,7 @@ def run(label: str, model: nn.Module, dims: tuple, d: str, fast: bool, unrolled:
         t = time.perf_counter()
         res = export_onnx(q, sample, p, dynamic_dims=dims)
         r = row["lq"][name] = {"export_s": time.perf_counter() - t, "nodes": _nodes(p), "max_diff": res.max_abs_diff,
-                               "tolerance": res.tolerance}
+                               "steps": res.verdict}
         lstm = [k for k in res.layer_kernels if k.layer == "lstm"]
         r["lstm_kernels"] = f"{sum(k.integer for k in lstm)} of {len(lstm)} integer: " + ", ".join(
             sorted({k.text() for k in lstm}))
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
         print(f"\n{label}:")
         for name, e in r["lq"].items():
             print(f"  {name}: export {e['export_s']:.1f} s, {e['nodes']} nodes (loop bodies included), max diff "
-                  f"{e['max_diff']:.3g} (tolerance {e['tolerance']:.3g}); LSTM matmuls {e['lstm_kernels']}")
+                  f"{e['max_diff']:.3g} ({e['steps']}); LSTM matmuls {e['lstm_kernels']}")
             if "other_length" in e:
                 print(f"    input {e['other_length'][0]} (another sequence length): max diff {e['other_length'][1]:.3g}")
         if "unrolled" in r:

@@ -226,8 +226,8 @@ def build_contenders(float_model: nn.Module, batches, d: str, dynamo: bool = Tru
         t = time.perf_counter()
         res = export_onnx(q, batches[0], paths[label], dynamo=dynamo)
         notes.append(f"{label}: export {time.perf_counter() - t:.2f} s, max |ORT - PyTorch fake-quant| "
-                     f"{res.max_abs_diff:.3g} (tolerance {res.tolerance:.3g}), weights stored as uint8 (zero point "
-                     f"128) for int16 safety: {len(res.uint8_weights)} layer(s)")
+                     f"{res.max_abs_diff:.3g} ({res.output_checks[0].max_steps:.2g} output steps), weights stored as "
+                     f"uint8 (zero point 128) for int16 safety: {len(res.uint8_weights)} layer(s)")
     ort_quantize_static(paths[FP32], paths[ORT_U8S8], batches)
     ort_quantize_static(paths[FP32], paths[ORT_U8U8], batches, u8u8=True)
     return paths, notes

@@ -380,8 +380,8 @@ class ExportConfig:
         exporter: ``dynamo`` (the current torch.onnx exporter) or ``legacy`` (TorchScript based).
         fold_bn: fold BatchNorm into the preceding conv/linear in the exported copy.
         verify: run the exported model in onnxruntime on a sample batch and compare with PyTorch.
-        tolerance: largest allowed max-abs difference between onnxruntime and PyTorch outputs
-            (None: 5% of the largest output magnitude).
+        tolerance: largest allowed max-abs difference between onnxruntime and PyTorch outputs (None: judged in
+            output quantization steps and top-1 agreement, see ``export_onnx``).
         target: ``onnxruntime`` (uint8 activations, 8-bit weights: what its QLinear kernels fuse, encoded so
             no CPU's int16 intermediates saturate) or ``tensorrt`` (int8 zero-point-0 Q/DQ everywhere, as
             TensorRT expects).
