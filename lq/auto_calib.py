@@ -53,6 +53,8 @@ METRIC = "r2"
 METRIC_NAME = "output R2 vs float (1 - squared error / variance of the float output)"
 #: the attribute each ``auto`` quantizer gets with the method it ended with (the summary's method column)
 CHOICE_ATTR = "auto_method"
+#: ... and the one-line outcome (the choice per role, its score against max): the summary's caption
+NOTE_ATTR = "auto_note"
 
 
 @dataclass
@@ -163,6 +165,7 @@ def choose(model: nn.Module, quantizers: list, methods: Mapping[str, str], batch
     for n, q in quantizers:
         if n in auto:
             setattr(q, CHOICE_ATTR, "max")  # where they start (and stay, when the search cannot run)
+            setattr(q, NOTE_ATTR, None)
     try:
         if batches:
             metric = fidelity_metric(model, batches[:SELECTION_BATCHES], forward=forward, kind=METRIC)
@@ -201,6 +204,9 @@ def choose(model: nn.Module, quantizers: list, methods: Mapping[str, str], batch
     for g, qs in members.items():
         for q in qs:
             setattr(q, CHOICE_ATTR, result.methods[g])
+    for n, q in quantizers:
+        if n in auto:
+            setattr(q, NOTE_ATTR, str(result))  # the summary table's caption
     logging.getLogger("lq").info("%s", result)
     return result
 

@@ -79,14 +79,17 @@ def quantizer_rows(model: nn.Module, methods: Optional[Mapping[str, str]] = None
             blocks = {k: v for k, v in q.block_sizes.items() if not isinstance(k, str)}
             bits += f" blocks {blocks}"
         state = "disabled" if not q.is_enabled else ("learned" if q.learn_amax else "quant")
+        methods_text = _method_text(q, (methods or {}).get(name, type(q.calibrator).__name__
+                                                           if q.calibrator is not None else "-"))
         rows.append({
             "quantizer": name,
             "bits": bits,
             "axis": "tensor" if q.axis is None else str(q.axis),
             "amax": _amax_text(q),
-            "method": _method_text(q, (methods or {}).get(name, type(q.calibrator).__name__
-                                                           if q.calibrator is not None else "-")),
+            "method": methods_text,
             "state": state,
+            # what method "auto" chose and gained against max (not a column: the table's caption)
+            "auto_note": getattr(q, "auto_note", None) if str(methods_text).startswith("auto") else None,
             # numeric largest amax (not a printed column): what loggers get as a metric
             "amax_max": None if q.amax is None or q.dynamic else float(q.amax.detach().max()),
         })
@@ -103,7 +106,20 @@ def rich_table(rows: Iterable[Mapping[str, Any]], title: str = "lq quantization 
         table.add_column(c, justify="right" if c in ("amax",) else "left")
     for r in rows:
         table.add_row(*(str(r.get(c, "-")) for c in cols))
+    notes = auto_notes(rows)
+    if notes:
+        table.caption = "; ".join(notes)
     return table
+
+
+def auto_notes(rows: Iterable[Mapping[str, Any]]) -> list[str]:
+    """What calibration method ``auto`` chose and gained against ``max`` (once per calibration), from the rows."""
+    out: list[str] = []
+    for r in rows:
+        n = r.get("auto_note")
+        if n and n not in out:
+            out.append(n)
+    return out
 
 
 def markdown_table(rows: Iterable[Mapping[str, Any]]) -> str:
@@ -111,7 +127,8 @@ def markdown_table(rows: Iterable[Mapping[str, Any]]) -> str:
     cols = columns(rows)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+    notes = auto_notes(rows)
+    return "\n".join(lines + (["", *notes] if notes else []))
 
 
 def print_table(rows, title: str = "lq quantization summary") -> None:

@@ -157,6 +157,7 @@ def test_the_fall_back_is_reported(detector, caplog):
     rows = report.quantizer_rows(auto, {r: "auto" for r in (n for n, _ in auto.named_modules())})
     methods = {r["method"] for r in rows if r["quantizer"].endswith("_input_quantizer")}
     assert methods == {"auto: max"}
+    assert report.rich_table(rows).caption == msg and report.markdown_table(rows).endswith("\n\n" + msg)
 
 
 def test_check_batches_are_spread_over_the_calibration_data():
