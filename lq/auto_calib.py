@@ -7,7 +7,8 @@ quantizer at ``max`` and then, group by group, keeps whichever of max / percenti
 the quantized model's output closest to the float model's on the first calibration batches
 (:func:`lq.sensitivity.calibration_method_search`). Groups are layer roles: module names with their
 numeric indices wildcarded, so ``encoder.layer.0.attention.self.query`` ... ``layer.5`` choose together
-(measured on all-MiniLM-L6-v2: mean cosine 0.991 where the best single method gives 0.980).
+(measured on all-MiniLM-L6-v2, 300 news documents: embeddings' mean cosine to FP32 0.991 where ``max``
+gives 0.980; output R2 0.973 against max's 0.926, so the check below keeps the choice).
 
 Closeness is :func:`lq.sensitivity.fidelity_metric`'s ``"r2"``: one minus the squared error of the output
 relative to the float output's variance. Cosine, per sample, cannot see a score map that keeps its shape
@@ -18,9 +19,12 @@ Then the choice as a whole is checked against ``max`` everywhere, on the model's
 of the calibration batches (:data:`CHECK_BATCHES`, spread over the calibration data, the selection
 batches among them): two selection batches can say nothing about the rest (blank pages first, a sorted
 data set). When the choice scores below all-``max`` there, every group goes back to ``max``: the default
-is never worse than ``max`` on the model's output over the calibration data it checked. The outcome
-(:class:`AutoResult`: the choice per role, both scores, the gain) is logged on the ``lq`` logger, returned
-by :func:`lq.calibrate_model` as ``.auto``, and shown in the summary's method column.
+is never worse than ``max`` on the model's output over the calibration data it checked (measured on a
+VGG-BN + U-Net text detector calibrated on 16 digit "pages", two blank ones first: the search's choice
+scored R2 -0.05 and found no text, max 0.997; ``auto`` now keeps max). The check costs three forwards
+per check batch. The outcome (:class:`AutoResult`: the choice per role, both scores, the gain) is logged
+on the ``lq`` logger, returned by :func:`lq.calibrate_model` as ``.auto``, and shown in the summary table
+(``auto: <method>`` in the method column, the outcome as its caption).
 
 Under torch.distributed the metric is averaged over the ranks before every comparison, the check's
 included, so every rank takes the same decisions (their histograms are already reduced).
