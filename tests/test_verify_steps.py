@@ -115,6 +115,25 @@ class MiniLMish(nn.Module):
         return h, (h * m).sum(1) / m.sum(1)
 
 
+class CRNN(nn.Module):
+    """easyocr's recognizer, small: a VGG-style conv stack over a text-line image, a bidirectional LSTM over its
+    columns, per-column character logits (batch, columns, characters)."""
+
+    def __init__(self, chars: int = 37):
+        super().__init__()
+
+        def conv(i, o):
+            return nn.Sequential(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU())
+
+        self.cnn = nn.Sequential(conv(1, 16), nn.MaxPool2d(2), conv(16, 32), nn.MaxPool2d(2), conv(32, 64),
+                                 nn.MaxPool2d((2, 1)))
+        self.rnn = nn.LSTM(64 * 4, 64, bidirectional=True, batch_first=True)
+        self.head = nn.Sequential(nn.Linear(128, chars))
+
+    def forward(self, x):
+        return self.head(self.rnn(self.cnn(x).flatten(1, 2).transpose(1, 2))[0])
+
+
 def _settle(model: nn.Module, batches: list) -> nn.Module:
     """Give a randomly initialized network a trained network's signal: random BatchNorm affines, running
     statistics from ``batches`` (each BatchNorm's output has unit variance, so depth neither drowns the input
@@ -214,6 +233,19 @@ def test_minilm_like_encoder_with_padding_verifies(tmp_path):
     sess = ort.InferenceSession(res.path, providers=["CPUExecutionProvider"])
     got = sess.run(None, {"input_0": ids.numpy(), "input_1": mask.numpy()})
     assert res.judge(got, want) == ""  # the same rule on a second session
+
+
+def test_crnn_text_recognizer_verifies(tmp_path):
+    """Conv stack, BiLSTM (exported as Scan loops), per-column logits: 3-D, so no top-1 over rows."""
+    torch.manual_seed(0)
+    calib = [torch.randn(16, 1, 32, 128) for _ in range(4)]
+    model = _settle(CRNN(), calib)
+    lq.quantize_model(model)
+    with torch.no_grad():
+        lq.calibrate_model(model, calib)
+    res = lq.export_onnx(model, torch.randn(16, 1, 32, 128), str(tmp_path / "crnn.onnx"))
+    (c,) = res.output_checks
+    assert c.from_graph and c.elements == 16 * 32 * 37 and c.rows == 0 and c.frac_far <= _verify.FAR_FRACTION
 
 
 # =========================================================================== (b) a wrong rewrite fails

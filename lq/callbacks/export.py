@@ -27,8 +27,8 @@ class QuantExport(L.Callback):
     On rank zero only, on a deep copy (the trained module is not touched, so
     ``trainer.test(ckpt_path=...)`` and further training still work): BatchNorm
     folded, Q/DQ placed for onnxruntime/TensorRT INT8 kernels, ``onnx.checker``,
-    then onnxruntime on a sample batch with the max difference to PyTorch
-    reported (and compared with ``tolerance``). Before exporting, the weights are
+    then onnxruntime on a sample batch, judged against PyTorch in output
+    quantization steps and top-1 agreement (or ``tolerance``, when set). Before exporting, the weights are
     saved to a checkpoint unless a ModelCheckpoint already holds them, so an
     export error never loses training; the error names that checkpoint.
 
@@ -113,7 +113,9 @@ class QuantExport(L.Callback):
         msg = f"lq: exported {self.path}"
         if diff is not None:
             tol = getattr(result, "tolerance", self.export.tolerance)
-            msg += f" (onnxruntime vs PyTorch max |diff| = {diff:.3g}" + (f", tolerance {tol:.3g})" if tol else ")")
+            steps = "; ".join(c.text() for c in getattr(result, "output_checks", []))
+            msg += f" (onnxruntime vs PyTorch max |diff| = {diff:.3g}" + (
+                f", tolerance {tol:.3g})" if tol is not None else f"; {steps})" if steps else ")")
         speed = getattr(result, "speedup", None)
         if speed is not None:
             msg += f"; {speed:.2f}x the FP32 speed in onnxruntime on the sample"
