@@ -50,6 +50,7 @@ torch.set_flush_denormal(True)
 LQ_DEFAULT = "lq INT8 (8-bit weights)"
 LQ_REDUCE = "lq INT8 (int8_reduce_range)"
 ORT_QS = "ORT quantize_static u8s8"
+TIMED_BATCH = 32  # every file is timed at this batch, and the export's own speed check too
 #: ``--fast``: the digits images (MiniLM: an eighth as many sentences) each file also runs on the emulated AVX2 CPU
 AVX2_FAST_INPUTS = 64
 
@@ -308,7 +309,7 @@ def run_model(label: str, ctor, shape, epochs: int, fast: bool, d: str, log) -> 
         try:
             q = lq_ptq(model, batches, rr)
             t = time.perf_counter()
-            res = export_onnx(q, batches[0], p)
+            res = export_onnx(q, batches[0], p, speed_batch=TIMED_BATCH)  # its speed check at the bench's batch
         except Exception as e:  # an ordinary model lq cannot export yet: say so, go on
             row["notes"].append(f"{name}: export failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             continue
@@ -324,7 +325,7 @@ def run_model(label: str, ctor, shape, epochs: int, fast: bool, d: str, log) -> 
         row["notes"].append(f"{ORT_QS} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
     n = AVX2_FAST_INPUTS if fast else len(xte)
     _on_avx2(row, paths, [xte[:n].numpy()], lambda logits: 100.0 * float((logits.argmax(1) == yte[:n].numpy()).mean()))
-    _time(row, paths, np.ascontiguousarray(xte[:32].numpy()), fast, log)
+    _time(row, paths, np.ascontiguousarray(xte[:TIMED_BATCH].numpy()), fast, log)
     return row
 
 
@@ -354,13 +355,18 @@ def _count_kernels(row: dict, name: str, res, export_s: float) -> None:
     row.setdefault("kernels", {})[name] = {
         "integer": sum(k.integer for k in lk), "layers": len(lk), "by_choice": sum(k.by_choice for k in lk),
         "float": [f"{k.layer}: {k.kernel} ({k.reason})" for k in lk if not k.integer]}
-    check = f", the export's own speed check {res.speedup:.2f}x" if res.speedup is not None else ""
+    c = res.speed_check
+    check = f", the export's own speed check {c.ratio:.2f}x at batch {c.batch}" if c is not None else ""
+    if c is not None:  # beside the bench's own timing of the same file (:func:`check_vs_bench`)
+        row.setdefault("check", {})[name] = {"ratio": c.ratio, "p25": c.ratio_p25, "p75": c.ratio_p75,
+                                             "noisy": c.noisy, "batch": c.batch, "reference": c.reference}
     row["notes"].append(f"{name}: export {export_s:.1f} s, {sum(k.integer for k in lk)} of "
                         f"{len(lk)} conv/gemm/matmul on integer kernels{check}")
 
 
 def _time(row: dict, paths: dict, x, fast: bool, log) -> None:
-    """Every file of the row at batch 32, one thread, in turns: speed-ups over the FP32 export."""
+    """Every file of the row at batch 32 (:data:`TIMED_BATCH`), one thread, in turns: speed-ups over the FP32
+    export."""
     repeats, min_time = (3, 0.05) if fast else (9, 0.25)
     t = ort_times(paths, x, 1, repeats, min_time)
     row["speedup"] = {k: _report.ratios(t["FP32 export"], v) for k, v in t.items() if k != "FP32 export"}
@@ -418,7 +424,7 @@ def run_minilm(fast: bool, d: str, log) -> dict:
         t = time.perf_counter()
         # rounding flips compound through six layers: a loose bound here, the cosine is the measure
         res = export_onnx(q, (sentences["input_ids"][:8], sentences["attention_mask"][:8]), p,
-                          input_names=list(M.INPUT_NAMES), dynamic_dims=(1,), rtol=0.25)
+                          input_names=list(M.INPUT_NAMES), dynamic_dims=(1,), rtol=0.25, speed_batch=TIMED_BATCH)
         paths[name] = p
         row["acc"][name] = cosine(make_session(p).run(None, feeds)[0])
         _count_kernels(row, name, res, time.perf_counter() - t)
@@ -432,11 +438,28 @@ def run_minilm(fast: bool, d: str, log) -> dict:
         row["acc"][name] = cosine(make_session(p).run(None, feeds)[0])
     n = AVX2_FAST_INPUTS // 8 if fast else len(ref)  # 40 s per file for 40 sentences in the emulator
     _on_avx2(row, paths, {k: v[:n] for k, v in feeds.items()}, cosine)
-    _time(row, paths, {k: np.ascontiguousarray(v[:32]) for k, v in feeds.items()}, fast, log)
+    _time(row, paths, {k: np.ascontiguousarray(v[:TIMED_BATCH]) for k, v in feeds.items()}, fast, log)
     return row
 
 
 # =========================================================================== report
+def check_vs_bench(rows: list[dict]) -> list[list[str]]:
+    """The export's own speed check (its INT8 file against the plain FP32 export it makes, at batch 32) beside this
+    bench's independent timing of the same INT8 file against the bench's FP32 export: model, file, check, bench,
+    their difference, and whether they agree within 10%."""
+    out = []
+    for r in rows:
+        for name, c in r.get("check", {}).items():
+            b = r.get("speedup", {}).get(name)
+            if b is None:
+                continue
+            diff = c["ratio"] / b["median"] - 1.0
+            out.append([r["model"], name, f"{c['ratio']:.2f}x [{c['p25']:.2f}-{c['p75']:.2f}]"
+                        + (" noisy" if c["noisy"] else ""), _report.fmt_ratio(b), f"{diff:+.0%}",
+                        "yes" if abs(diff) <= 0.10 else "**no**"])
+    return out
+
+
 def _avx2_cpu() -> str:
     from bench._avx2 import CPU
 
@@ -524,6 +547,15 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float) -> Pat
             [r["model"], str(r["avx2_inputs"])]
             + [f"{quality(r, r['acc_avx2'][c]['here'])} -> {quality(r, r['acc_avx2'][c]['avx2'])}"
                if c in r["acc_avx2"] else "-" for c in contenders] for r in avx2], "lr" + "r" * len(contenders)))
+    agree = check_vs_bench(rows)
+    if agree:
+        lines += ["", "## The export's speed check beside this bench's measurement", "",
+                  "The ratio `export_onnx` reports (`ExportResult.speed_check`: the INT8 file against the plain "
+                  f"FP32 export it makes of the same model, batch {TIMED_BATCH}, 1 thread, median FP32 time / median "
+                  "INT8 time over its interleaved rounds, `[p25-p75]` of the per-round ratios) beside this bench's "
+                  "own timing of the same INT8 file against its FP32 export (the table above).", "",
+                  _report.table(["model", "file", "export's check", "bench", "difference", "within 10%"], agree,
+                                "llrrrl")]
     lines += ["", "## What runs in float, and why (lq's export report)", ""]
     for r in rows:
         lines.append(f"**{r['model']}**")

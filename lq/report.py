@@ -48,8 +48,9 @@ def kernel_table(result, title: str = "what onnxruntime runs for each quantized 
         table.add_column(c)
     for k in result.layer_kernels:
         table.add_row(k.layer, k.op, k.kernel, k.reason or "")
-    if result.speedup is not None:
-        table.caption = f"speed on the sample: {result.speedup:.2f}x FP32 (onnxruntime, 1 thread)"
+    check = getattr(result, "speed_check", None)
+    if check is not None:
+        table.caption = f"speed: {check.ratio:.2f}x {check.reference} ({check.details()})"
     return table
 
 

@@ -1,7 +1,7 @@
 """The export says which kernel onnxruntime runs for every quantized layer, and warns when INT8 is slower.
 
 The per-layer answer must agree with onnxruntime's own optimized graph (counted independently here), a
-float layer must come with its reason, and the FP32 graph the INT8 file is timed against must compute what
+float layer must come with its reason, and the FP32 file the INT8 file is timed against must compute what
 the PyTorch model computes with its quantizers off (else the reported speed-up compares different models).
 """
 
@@ -91,18 +91,18 @@ def test_float_layer_is_reported_with_its_reason(tmp_path):
     assert next(k for k in res.layer_kernels if k.layer == "fc").kernel == "QGemm"
 
 
-def test_float_twin_is_the_model_without_quantizers(tmp_path, monkeypatch):
-    """The FP32 graph timed against the INT8 file computes the PyTorch model with quantization off."""
+def test_fp32_reference_is_the_model_without_quantizers(tmp_path, monkeypatch):
+    """The FP32 file timed against the INT8 file computes the PyTorch model with quantization off."""
     x = torch.randn(4, 8, 16, 16)
     model = _quantized(GroupNormNet(), x, glue=False)
     seen = {}
-    real = _timing.speedup
+    real = _timing.compare
 
     def spy(int8_model, fp32_model, feeds, providers=None, **kw):
         seen["fp32"] = fp32_model
         return real(int8_model, fp32_model, feeds, providers, **kw)
 
-    monkeypatch.setattr(_timing, "speedup", spy)
+    monkeypatch.setattr(_timing, "compare", spy)
     res = _export(model, x, tmp_path)
     assert res.speedup is not None and np.isfinite(res.speedup) and res.speedup > 0
     sess = ort.InferenceSession(seen["fp32"], providers=["CPUExecutionProvider"])
@@ -117,18 +117,18 @@ def test_float_twin_is_the_model_without_quantizers(tmp_path, monkeypatch):
 
 def test_slower_than_fp32_warns_with_ratio_and_float_layers(tmp_path, monkeypatch):
     x = torch.randn(4, 8, 16, 16)
-    monkeypatch.setattr(_timing, "speedup", lambda *a, **k: (0.52, 2.0, 1.04))
+    monkeypatch.setattr(_timing, "time_rounds", lambda *a, **k: ([2e-3] * 3, [1.04e-3] * 3, 1))
     res = _export(_quantized(GroupNormNet(), x, glue=False), x, tmp_path)
-    slow = [w for w in res.warnings if "the speed of FP32" in w]
+    slow = [w for w in res.warnings if "the speed of the plain FP32 export" in w]
     assert len(slow) == 1 and "0.52x" in slow[0] and "c1 (" in slow[0]
     assert "fc (" not in slow[0]  # fc runs QGemm: not responsible
 
 
 def test_no_slowdown_warning_when_faster(tmp_path, monkeypatch):
     x = torch.randn(4, 3, 16, 16)
-    monkeypatch.setattr(_timing, "speedup", lambda *a, **k: (1.8, 1.0, 1.8))
+    monkeypatch.setattr(_timing, "time_rounds", lambda *a, **k: ([1e-3] * 3, [1.8e-3] * 3, 1))
     res = _export(_quantized(ResidualNet(), x), x, tmp_path)
-    assert res.speedup == 1.8 and not any("the speed of FP32" in w for w in res.warnings)
+    assert res.speedup == pytest.approx(1.8) and not any("the speed of" in w for w in res.warnings)
 
 
 def test_quantizer_table_gets_the_kernel_column(tmp_path):

@@ -17,8 +17,9 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from lq.export import (_channel_affine, _dynamic_lstm, _finish, _float_convs, _float_twin, _fold_bn, _fold_constants,
-                       _gelu_order, _int16, _kernel_report, _linear_gemm, _loop_ops, _loops, _lower, _mean_first,
-                       _model_checks, _placement, _pool_first, _symbolic, _timing, _torch_onnx, _upsample, _verify)
+                       _fp32_reference, _gelu_order, _int16, _kernel_report, _linear_gemm, _loop_ops, _loops, _lower,
+                       _mean_first, _model_checks, _placement, _pool_first, _symbolic, _timing, _torch_onnx, _upsample,
+                       _verify)
 from lq.export._fold_bn import FoldRecord
 from lq.export._ir import ExportError, Graph, QuantNodeInfo, all_nodes, layer_name
 from lq.export._kernel_report import LayerKernel
@@ -79,6 +80,7 @@ def export_onnx(
     providers: Sequence[str] | None = None,
     check_fusion: bool = True,
     keep_metadata: bool = False,
+    speed_batch: int | None = None,
 ) -> ExportResult:
     """Export a fake-quantized model to ONNX with QuantizeLinear/DequantizeLinear, check and verify it.
 
@@ -127,6 +129,10 @@ def export_onnx(
             model is on a GPU and onnxruntime has it).
         check_fusion: also build onnxruntime's optimized graph and report the fused INT8 kernels.
         keep_metadata: keep the exporter's per-node metadata (PyTorch stack traces, module names).
+        speed_batch: the batch size the speed check times the INT8 file at, against the plain FP32 export of the
+            same model (``torch.onnx.export`` of the float model); None: the sample's batch. Another batch
+            repeats the sample along the batch axis, which must be dynamic. The check runs when the file is
+            verified for onnxruntime with ``check_fusion`` (:attr:`ExportResult.speed_check`).
 
     Returns:
         :class:`ExportResult`.
@@ -186,6 +192,7 @@ def export_onnx(
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     dims = [_torch_onnx.dynamic_dims(a, dynamic_batch, dynamic_spatial, extra)
             for a, extra in zip(tensors, _torch_onnx.extra_dims(dynamic_dims, tensors), strict=True)]
+    _check_speed_batch(speed_batch, tensors, dims)
     if any(name != "batch" for dd in dims for name in dd.values()):
         grown = _torch_onnx.grown(args, dims)
         what = "dynamic_spatial=True" if dynamic_spatial else f"dynamic_dims={dynamic_dims}"
@@ -413,38 +420,67 @@ def export_onnx(
     speed = None
     if twin is not None:
         loops = sum(n.op_type == "Scan" for n in proto.graph.node)
-        speed = _speed_note(data, twin, cases[0][0], providers, kernels, loops, notes)
+        feeds = _timing.batch_feeds(tensors, dims, speed_batch)
+
+        def plain():  # the user's float model through torch.onnx.export, as they would export it
+            return _fp32_reference.plain_export(work, args, dynamo, opset, input_names, output_names, dims)
+
+        speed = _speed_note(data, plain, twin, feeds, speed_batch or _timing.batch_size(tensors, dims), providers,
+                            kernels, loops, notes)
     return ExportResult(
         path=path, opset=opset, exporter=exporter, max_abs_diff=max_diff, tolerance=tol, providers=providers,
         output_checks=checks, verdict=verdict,
         file_size=os.path.getsize(path), quantized=infos, folded_bn=folds, ort_ops=ort_ops,
         qdq_nodes=_count_qdq(proto), input_names=input_names, output_names=output_names, warnings=notes,
-        export_seconds=export_seconds, uint8_weights=u8_weights, layer_kernels=kernels, speedup=speed)
+        export_seconds=export_seconds, uint8_weights=u8_weights, layer_kernels=kernels,
+        speedup=None if speed is None else speed.ratio, speed_check=speed)
 
 
-def _speed_note(int8_model: bytes, twin, inputs, providers, kernels: list[LayerKernel], loops: int,
-                notes: list[str]):
-    """Time the INT8 file against its FP32 twin; below 1x, add a warning naming the float layers (and, when the
-    file has ``loops`` Scan loops, what runs them fused)."""
-    feeds = [a.numpy() for a in inputs if isinstance(a, torch.Tensor)]
+def _check_speed_batch(speed_batch, tensors, dims) -> None:
+    """``speed_batch`` is None or an int >= 1, and a batch other than the sample's has a dynamic batch axis."""
+    if speed_batch is None:
+        return
+    if isinstance(speed_batch, bool) or not isinstance(speed_batch, int) or speed_batch < 1:
+        raise ValueError(f"speed_batch={speed_batch!r} is not allowed: expected an int >= 1 (or None: the sample's "
+                         "batch)")
+    if speed_batch != _timing.batch_size(tensors, dims) and not any("batch" in d.values() for d in dims):
+        raise ValueError(f"speed_batch={speed_batch} differs from the sample's batch, but the file has no dynamic "
+                         "batch axis to run it on: export with dynamic_batch=True (or name the batch axis in "
+                         "dynamic_dims), or leave speed_batch=None")
+
+
+def _speed_note(int8_model: bytes, plain, twin, feeds, batch, providers, kernels: list[LayerKernel], loops: int,
+                notes: list[str]) -> _timing.SpeedCheck | None:
+    """Time the INT8 file against ``plain()``, the plain FP32 export of the same model (the twin where that
+    export fails, said so in a note), at ``feeds``' batch; below 1x, add a warning in those terms naming the
+    float layers (and, when the file has ``loops`` Scan loops, what runs them fused)."""
+    reference = _timing.PLAIN
     try:
-        ratio, int8_ms, fp32_ms = _timing.speedup(int8_model, twin.SerializeToString(), feeds, providers)
+        fp32 = plain().SerializeToString()
+    except Exception as e:  # noqa: BLE001 - any failure of the user's own export: time against the twin instead
+        reference = _timing.TWIN
+        notes.append(f"the speed check could not export the float model with torch.onnx.export "
+                     f"({type(e).__name__}: {_short(e, 300)}), so it times the INT8 file against {_timing.TWIN}, "
+                     "which can differ from the FP32 file a user would export")
+        fp32 = twin.SerializeToString()
+    try:
+        check = _timing.compare(int8_model, fp32, feeds, providers, batch=batch, reference=reference)
     except Exception as e:  # diagnostics only: a failure to time never fails the export
-        notes.append(f"could not time the INT8 file against FP32: {_short(e, 300)}")
+        notes.append(f"could not time the INT8 file against {reference}: {_short(e, 300)}")
         return None
-    if ratio < 1.0:
+    if check.slower:
         floats = [f"{k.layer} ({k.kernel}: {k.reason})" for k in kernels if not k.integer]
         notes.append(
-            f"the INT8 file runs at {ratio:.2f}x the speed of FP32 in onnxruntime on the sample (1 thread, "
-            f"{int8_ms:.3g} ms vs {fp32_ms:.3g} ms): "
+            f"the INT8 file runs at {check.ratio:.2f}x the speed of {reference} in onnxruntime ({check.details()}): "
             + (f"{len(floats)} quantized layer(s) run in float between Q/DQ: " + "; ".join(floats) if floats else
                "every quantized layer runs an integer kernel; the Q/DQ conversions cost more than they save "
                "at this size")
             + (f"; its {loops} recurrent layer(s) run as loops of small ops per time step (the step quantizes "
                "h), the FP32 file's as onnxruntime's fused float LSTM kernel: recurrent='dynamic' (QuantConfig, "
                "or QuantLSTM.set_runtime_dynamic) runs them as onnxruntime's fused DynamicQuantizeLSTM"
-               if loops else ""))
-    return ratio
+               if loops else "")
+            + (f". The measurement is noisy: {check.noise}" if check.noisy else ""))
+    return check
 
 
 def _unverified(path: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from lq.export import _verify
+from lq.export import _timing, _verify
 from lq.export._fold_bn import FoldRecord
 from lq.export._ir import ExportError, QuantNodeInfo
 from lq.export._kernel_report import LayerKernel
@@ -48,9 +48,14 @@ class ExportResult:
         export_seconds: wall time of the export (PyTorch -> ONNX -> rewrites), without verification.
         layer_kernels: for every quantized conv/gemm/matmul (and quantized join or pool), the kernel onnxruntime
             runs and, when it is float, why (target onnxruntime with ``check_fusion``).
-        speedup: FP32 time / INT8 time in onnxruntime on the sample (1 thread, median of interleaved runs
-            against the same graph without its quantizers); None when not measured. Below 1 a warning names
-            the layers that run in float.
+        speedup: ``speed_check.ratio`` (None when not measured).
+        speed_check: the INT8 file timed against the plain FP32 export of the same model (``torch.onnx.export`` of
+            the float model; the FP32 twin of the graph only where that export fails, said in ``warnings``) in
+            onnxruntime, 1 thread, at ``speed_batch`` or the sample's batch, in interleaved rounds
+            (:class:`lq.export._timing.SpeedCheck`): ``ratio = fp32_ms / int8_ms``, those two the median times, the
+            per-round ratios' quartiles, and whether the rounds disagree (``noisy``, ``noise``). None when not
+            measured (verify and check_fusion for onnxruntime only). Below 1 a warning says so in those terms and
+            names the layers that run in float.
     """
 
     path: str
@@ -71,6 +76,7 @@ class ExportResult:
     uint8_weights: list[str] = dataclasses.field(default_factory=list)
     layer_kernels: list[LayerKernel] = dataclasses.field(default_factory=list)
     speedup: float | None = None
+    speed_check: _timing.SpeedCheck | None = None
     output_checks: list[_verify.OutputCheck] = dataclasses.field(default_factory=list)
     verdict: str | None = None
 
@@ -124,8 +130,8 @@ class ExportResult:
         if self.layer_kernels:
             n_int = sum(k.integer for k in self.layer_kernels)
             lines.append(f"  layers on integer kernels: {n_int} of {len(self.layer_kernels)}")
-        if self.speedup is not None:
-            lines.append(f"  onnxruntime speed on the sample (1 thread): {self.speedup:.2f}x the FP32 graph")
+        if self.speed_check is not None:
+            lines.append(f"  speed: {self.speed_check}")
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)
