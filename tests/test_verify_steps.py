@@ -248,6 +248,24 @@ def test_crnn_text_recognizer_verifies(tmp_path):
     assert c.from_graph and c.elements == 16 * 32 * 37 and c.rows == 0 and c.frac_far <= _verify.FAR_FRACTION
 
 
+@pytest.mark.parametrize("target", ["onnxruntime", "tensorrt"])
+def test_the_step_after_a_linear_is_its_input_scale_times_its_largest_weight_row_norm(tmp_path, target):
+    """Int8 weights (onnxruntime) or float weights through QuantizeLinear (TensorRT's qdq): the same step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5)).eval()
+    x = torch.randn(64, 16)
+    lq.quantize_model(model)
+    with torch.no_grad():
+        lq.calibrate_model(model, [x], method="max")
+        wq = model[2]._weight_quantizer(model[2].weight).double()
+    res = lq.export_onnx(model, x, str(tmp_path / "mlp.onnx"), target=target)
+    scale = float(numpy_helper.to_array(next(i for i in onnx.load(res.path).graph.initializer
+                                             if "2/_input_quantizer/scale" in i.name.replace(".", "/"))))
+    (c,) = res.output_checks
+    assert c.from_graph and c.step == pytest.approx(scale * float(wq.pow(2).sum(1).sqrt().max()), rel=1e-3)
+    assert c.rows == 64 and c.top1_differ == 0 and c.max_steps < 1
+
+
 # =========================================================================== (b) a wrong rewrite fails
 def _wrong_stem_scale(monkeypatch, factor: float) -> None:
     """Make BatchNorm folding write the first conv's weight scale ``factor`` times too large: a wrong rewrite."""

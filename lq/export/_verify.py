@@ -119,8 +119,13 @@ def output_steps(model) -> list[float]:
 
     def dq_values(dq):
         q, s = const(dq.input[0]), const(dq.input[1])
-        if q is None or s is None or any(a.name == "block_size" and a.i for a in dq.attribute):
+        if any(a.name == "block_size" and a.i for a in dq.attribute):
             return None  # blocked weights (weight-only INT4): no integer kernel, no output step
+        qn = prod.get(dq.input[0])
+        if q is None and qn is not None and qn.op_type == "QuantizeLinear":  # weight_format="qdq": the float
+            return const(qn.input[0])  # weight, within half a step of what the DequantizeLinear gives
+        if q is None or s is None:
+            return None
         zp = const(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
         return _dequantize(q, s, zp, next((a.i for a in dq.attribute if a.name == "axis"), 1))
 
