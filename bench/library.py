@@ -48,6 +48,7 @@ import gzip
 import importlib.metadata
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -142,11 +143,11 @@ MNV3_SMALL = [(3, 16, 16, True, "RE", 1), (3, 72, 24, False, "RE", 2), (3, 88, 2
 
 
 class MobileNetV3Small(nn.Module):
-    def __init__(self, classes: int = 10, width: float = 1.0):
+    def __init__(self, classes: int = 10, width: float = 1.0, blocks: int | None = None):
         super().__init__()
         c = _divisible(16 * width)
         layers: list[nn.Module] = [ConvNormAct(1, c, 3, 2, act=nn.Hardswish)]
-        for k, exp, o, se, nl, s in MNV3_SMALL:
+        for k, exp, o, se, nl, s in MNV3_SMALL[:blocks]:
             o, exp = _divisible(o * width), _divisible(exp * width)
             layers.append(MobileBottleneck(c, k, exp, o, se, nn.Hardswish if nl == "HS" else nn.ReLU, s))
             c = o
@@ -192,11 +193,11 @@ class EfficientNetSmall(nn.Module):
     """B0 scaled down by the paper's own compound rule run backwards: width x0.5, depth x0.5 (rounded up), stem
     at stride 1 for 32x32 inputs."""
 
-    def __init__(self, classes: int = 10, width: float = 0.5, depth: float = 0.5):
+    def __init__(self, classes: int = 10, width: float = 0.5, depth: float = 0.5, stages: int | None = None):
         super().__init__()
         c = _divisible(32 * width)
         layers: list[nn.Module] = [ConvNormAct(1, c, 3, 1, act=nn.SiLU)]
-        for e, k, s, o, n in EFFNET_B0:
+        for e, k, s, o, n in EFFNET_B0[:stages]:
             o = _divisible(o * width)
             for j in range(math.ceil(n * depth)):
                 layers.append(MBConv(c, o, k, s if j == 0 else 1, e))
@@ -375,8 +376,17 @@ def dataset(kind: str, fast: bool) -> tuple[torch.Tensor, ...]:
 
 # =========================================================================== the models' table
 class Spec:
-    def __init__(self, label: str, ctor, data: str, epochs: int, metric: str = "accuracy", lr: float = 3e-3):
+    """One model of the bench: its constructor, its data (``dataset`` kind), epochs, metric; ``fast``: the
+    constructor's arguments in a ``--fast`` run (fewer blocks: the smoke run's time goes into lq's exports, whose
+    cost grows with the graph)."""
+
+    def __init__(self, label: str, ctor, data: str, epochs: int, metric: str = "accuracy", lr: float = 3e-3,
+                 fast: dict | None = None):
         self.label, self.ctor, self.data, self.epochs, self.metric, self.lr = label, ctor, data, epochs, metric, lr
+        self.fast = fast or {}
+
+    def build(self, fast: bool) -> nn.Module:
+        return self.ctor(**(self.fast if fast else {}))
 
     @property
     def seg(self) -> bool:
@@ -384,8 +394,10 @@ class Spec:
 
 
 MODELS = [
-    Spec("MobileNetV3-Small-style (depthwise, SE Hardsigmoid *, Hardswish, plain +)", MobileNetV3Small, "32", 6),
-    Spec("EfficientNet-B0-style, scaled down (MBConv, SiLU, sigmoid SE, plain +)", EfficientNetSmall, "32", 6),
+    Spec("MobileNetV3-Small-style (depthwise, SE Hardsigmoid *, Hardswish, plain +)", MobileNetV3Small, "32", 6,
+         fast={"blocks": 5}),
+    Spec("EfficientNet-B0-style, scaled down (MBConv, SiLU, sigmoid SE, plain +)", EfficientNetSmall, "32", 6,
+         fast={"stages": 3}),
     Spec("O-Net-style face-detector CNN (conv + PReLU + max pool, Linear + PReLU head)", ONet, "48", 6, lr=1e-3),
     Spec("CREPE-style 1-D CNN (conv -> ReLU -> BatchNorm -> MaxPool), 784-sample signals", Crepe1D, "signal", 8),
     Spec("VGG-BN + U-Net (nearest upsample + cat), two score maps, ink-mask IoU", SegNet, "seg", 8, metric="IoU"),
@@ -509,7 +521,7 @@ def lq_file(row: dict, name: str, model: nn.Module, batches, reduce_range: bool,
 def run_model(spec: Spec, epochs: int, fast: bool, d: str) -> dict:
     torch.manual_seed(0)
     xtr, ytr, xte, yte = dataset(spec.data, fast)
-    model = spec.ctor()
+    model = spec.build(fast)
     t0 = time.perf_counter()
     train(spec, model, xtr, ytr, epochs)
     outputs = ["region", "link"] if spec.seg else ["output"]
@@ -578,6 +590,36 @@ def _verified(r: dict, name: str) -> str:
     if v is None:
         return "-"
     return "yes" if v["verified"] else "**no**: " + v["error"].replace("|", "/")
+
+
+_LAYER = re.compile(r"\b(?!lq\.)[A-Za-z_]\w*(?:\.\w+)+")
+
+
+def float_reasons(r: dict, name: str) -> Counter:
+    """lq's float conv/gemm layers of one file grouped by the export report's reason (layer names taken out)."""
+    out: Counter = Counter()
+    for f in r.get("kernels", {}).get(name, {}).get("float", []):
+        rest = f.split(": ", 1)[-1]
+        reason = rest.split(" (", 1)[1][:-1] if " (" in rest else rest
+        out[_LAYER.sub("<layer>", reason)] += 1
+    return out
+
+
+def gaps(rows: list[dict]) -> list[list[str]]:
+    """Per model: conv/gemm kernels quantize_static runs integer and lq's default file does not, and why (lq's
+    report), with the ops onnxruntime runs quantized for qs only."""
+    body = []
+    for r in rows:
+        k = r.get("ort_kernels", {})
+        if LQ_DEFAULT not in k or ORT_QS not in k:
+            continue
+        lq_ops, qs_ops = Counter(k[LQ_DEFAULT]["ops"]), Counter(k[ORT_QS]["ops"])
+        qs_only = {op: n - lq_ops.get(op, 0) for op, n in qs_ops.items()
+                   if op.startswith(("QLinear", "QGemm", "Nhwc")) and n > lq_ops.get(op, 0)}
+        reasons = "; ".join(f"{n} x {why}" for why, n in float_reasons(r, LQ_DEFAULT).most_common())
+        body.append([r["model"].split(" (")[0], f"{k[ORT_QS]['integer']} vs {k[LQ_DEFAULT]['integer']}",
+                     ", ".join(f"{op} +{n}" for op, n in sorted(qs_only.items())) or "-", reasons or "-"])
+    return body
 
 
 def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
@@ -654,13 +696,20 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: 
             sp = [r["speedup"][str(b)].get(c) for b in bs]
             line.append("failed" if sp[0] is None else
                         " / ".join(f"{s['median']:.2f}x" for s in sp) + f", {_q(r, r['quality'].get(c))}")
-        line.append(" / ".join(_ort_counts(r, c) for c in CONTENDERS))
+        line.append(", ".join(f"{short} {_ort_counts(r, c)}" for short, c in zip(("lq", "rr", "qs"), CONTENDERS,
+                                                                                   strict=True)))
         line.append("; ".join("yes" if r["verified"].get(c, {}).get("verified") else "**no**" for c, _ in LQ_RECIPES))
         body.append(line)
     lines += [_report.table(head, body, "lr" + "r" * (len(head) - 2)), ""]
     lines += [f"## Targets of issue 27, judged on lq's default path (CPU: {cpu})", "",
               _report.table(["target", "measured", "met"],
                             [(a, b, "yes" if c else "**no**") for a, b, c in targets(rows)], "llr"), ""]
+    lines += [f"## Gaps: what quantize_static runs integer and lq's default file leaves float (CPU: {cpu})", "",
+              "Integer conv/gemm kernels in onnxruntime's graphs (qs vs lq default); the quantized ops onnxruntime "
+              "runs more often in qs's file than in lq's; lq's float conv/gemm layers grouped by its export report's "
+              "reason.", "",
+              _report.table(["model", "integer conv/gemm: qs vs lq", "quantized ops qs runs more of",
+                             "lq's float conv/gemm, by reason"], gaps(rows), "lrll"), ""]
     lines += [f"## Every file (CPU: {cpu})", ""]
     body = []
     for r in rows:
