@@ -217,9 +217,26 @@ def test_mobilenet_v3_like_file_verifies_and_reports_its_steps(mobilenet200, mob
     assert res.max_abs_diff > 0.05 * np.abs(_logits(model, x)).max()  # what the old rule rejected
 
 
+def test_mobilenet_v3_like_file_verifies_with_int8_reduce_range(tmp_path):
+    """The recipe of the issue's efficientnet_b0 (7-bit weights, uint8 after ReLU): its good files are the most
+    chaotic measured (up to 0.11% of the logits beyond 6 steps)."""
+    from lq.callbacks import QuantSwap
+    from lq.config import Int8ReduceRangeConfig
+
+    torch.manual_seed(0)
+    calib = [torch.randn(64, 3, 32, 32) for _ in range(4)]
+    model = _settle(MobileNetV3ish(200), calib)
+    QuantSwap(Int8ReduceRangeConfig()).swap(model)
+    with torch.no_grad():
+        lq.calibrate_model(model, calib)
+    res = lq.export_onnx(model, torch.randn(64, 3, 32, 32), str(tmp_path / "rr.onnx"))
+    (c,) = res.output_checks
+    assert c.rows == 64 and c.top1_differ == 0 and c.frac_far <= _verify.FAR_FRACTION
+
+
 def test_minilm_like_encoder_with_padding_verifies(tmp_path):
     """Token and position embeddings, an additive attention mask, padding (id 0) on a third of the positions, two
-    outputs: the token states (LayerNorm: no quantizer, so the step is 2.5% of max|output|) and the mean over
+    outputs: the token states (LayerNorm: no quantizer, so the step is 1% of max|output|) and the mean over
     the real tokens."""
     model, _, (ids, mask) = minilm()
     assert 0.2 < 1 - mask.float().mean() < 0.5
@@ -289,8 +306,8 @@ def test_a_weight_scale_five_percent_off_fails(mobilenet200, tmp_path, monkeypat
     model, _, x = mobilenet200
     _wrong_stem_scale(monkeypatch, 1.05)
     path = tmp_path / "wrong.onnx"
-    with pytest.raises(VerificationError, match=r"(?s)output: \d+\.\d\d% of its elements are more than 4 output "
-                                                r"steps .* allowed 2%.*\nMeasured: output: step .* beyond 4; max "):
+    with pytest.raises(VerificationError, match=r"(?s)output: \d+\.\d\d% of its elements are more than 6 output "
+                                                r"steps .* allowed 1%.*\nMeasured: output: step .* beyond 6; max "):
         lq.export_onnx(model, x, str(path))
     assert not path.exists() and (tmp_path / "wrong.unverified.onnx").exists()
     # a tolerance the user sets wins (here a loose one), and the steps are still measured
@@ -378,14 +395,14 @@ def test_counts_in_steps_and_ties_at_one_step_pass():
     off[:50] = 0.1  # exactly one step: a tie, not beyond 1
     off[50:80] = 0.15
     off[80:100] = -0.3
-    off[100:115] = 0.5
+    off[100:108] = 0.7  # 0.8% beyond 6 steps
     c = _check(want + off.reshape(want.shape), want, 0.1)
-    assert (c.elements, c.beyond_1, c.beyond_2, c.beyond_far, c.rows) == (1000, 65, 35, 15, 0)
-    assert c.max_steps == pytest.approx(5, rel=1e-5) and _verify.step_verdict([c]) == ""
-    off[115:125] = 0.5  # 2.5% beyond 4 steps
+    assert (c.elements, c.beyond_1, c.beyond_2, c.beyond_far, c.rows) == (1000, 58, 28, 8, 0)
+    assert c.max_steps == pytest.approx(7, rel=1e-5) and _verify.step_verdict([c]) == ""
+    off[108:113] = 0.7  # 1.3% beyond 6 steps
     c = _check(want + off.reshape(want.shape), want, 0.1)
-    assert _verify.step_verdict([c]) == ("y: 2.50% of its elements are more than 4 output steps (0.4) from "
-                                         "PyTorch's, allowed 2%")
+    assert _verify.step_verdict([c]) == ("y: 1.30% of its elements are more than 6 output steps (0.6) from "
+                                         "PyTorch's, allowed 1%")
 
 
 def test_a_few_elements_far_off_pass_a_padding_like_fraction():
@@ -399,14 +416,14 @@ def test_a_few_elements_far_off_pass_a_padding_like_fraction():
 def test_top1_disagreement_beyond_a_tie_fails_ties_do_not():
     rng = np.random.default_rng(1)
     want = rng.normal(size=(100, 10)).astype(np.float32)
-    want[np.arange(100), rng.integers(0, 10, 100)] += 5.0  # a clear winner per row: margin >> 8 steps of 0.01
+    want[np.arange(100), rng.integers(0, 10, 100)] += 5.0  # a clear winner per row: margin >> 12 steps of 0.01
     top = want.argmax(1)
     got = want.copy()
     got[np.arange(3), (top[:3] + 1) % 10] += 10.0  # 3% of the predictions change
     c = _check(got, want, 0.01)
     assert (c.rows, c.top1_differ, c.top1_ties) == (100, 3, 0) and c.top1_agreement == pytest.approx(0.97)
     assert _verify.step_verdict([c]) == ("y: the top-1 class differs from PyTorch's on 3 of 100 rows (3.0%; ties "
-                                         "within 8 steps not counted), allowed 1%")
+                                         "within 12 steps not counted), allowed 1%")
     one = want.copy()
     one[0, (top[0] + 1) % 10] += 10.0  # 1%: allowed (elements: 1 in 1000 off)
     assert _verify.step_verdict([_check(one, want, 0.01)]) == ""
@@ -420,16 +437,16 @@ def test_top1_disagreement_beyond_a_tie_fails_ties_do_not():
     assert (c.top1_differ, c.top1_ties) == (0, 100) and _verify.step_verdict([c]) == ""
 
 
-def test_an_output_without_a_quantizer_counts_in_two_and_a_half_percent_of_its_range():
-    want = np.array([[0.0, 4.0, -8.0]])  # max|output| 8: one step 0.2
-    c = _check(want + np.array([[0.3, 0.5, 0.9]]), want, 0.0)
-    assert not c.from_graph and c.step == pytest.approx(0.2) and (c.beyond_1, c.beyond_2, c.beyond_far) == (3, 2, 1)
+def test_an_output_without_a_quantizer_counts_in_one_percent_of_its_range():
+    want = np.array([[0.0, 4.0, -8.0]])  # max|output| 8: one step 0.08
+    c = _check(want + np.array([[0.1, 0.2, 0.5]]), want, 0.0)
+    assert not c.from_graph and c.step == pytest.approx(0.08) and (c.beyond_1, c.beyond_2, c.beyond_far) == (3, 2, 1)
     assert "no quantizer" in c.text()
 
 
 def test_counts_add_up_over_the_sample_and_its_grown_copy():
     want = np.zeros((4, 3, 5)) + 1.0
-    c = _check(want + 0.5, want, 0.1)
+    c = _check(want + 0.7, want, 0.1)
     c = _verify.compare_output("y", np.ones((4, 3, 10)), np.ones((4, 3, 10)), 0.1, into=c)
     assert (c.elements, c.beyond_far) == (180, 60) and c.frac_far == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match="shape differs"):

@@ -102,8 +102,8 @@ def export_onnx(
         check: run ``onnx.checker.check_model``.
         verify: run the model in onnxruntime on ``sample_input`` and compare with the PyTorch
             fake-quant output; raise :class:`VerificationError` when they disagree. Judged in output
-            quantization steps (see :mod:`lq.export._verify`): an output fails when more than 2% of its
-            elements are over 4 steps off (rounding ties cascade through a deep network: a few steps are
+            quantization steps (see :mod:`lq.export._verify`): an output fails when more than 1% of its
+            elements are over 6 steps off (rounding ties cascade through a deep network: a few steps are
             normal), or, for (batch, classes) logits, when the top-1 class differs beyond a rounding tie on more
             than 1% of the rows. The numbers are in ``ExportResult.output_checks``.
         rtol, atol: when given, the verdict is ``max|ort - torch| <= atol + rtol * max|torch|`` instead (the
