@@ -16,7 +16,7 @@ from lq.export._kernel_report import LayerKernel
 
 
 class VerificationError(ExportError):
-    """onnxruntime's output is not PyTorch's fake-quant output: too many elements more than two output steps
+    """onnxruntime's output is not PyTorch's fake-quant output: too many elements more than a few output steps
     off, top-1 classes that differ beyond a tie, or (when the user set one) more than the tolerance."""
 
 
@@ -32,7 +32,7 @@ class ExportResult:
         tolerance: the bound on ``max_abs_diff`` the user set (``atol + rtol * max|PyTorch output|``); None when
             none was set and the file was judged in output steps (``output_checks``).
         output_checks: per output, what verification measured (:class:`lq.export._verify.OutputCheck`): its
-            quantization step, how many elements are more than 1 and 2 steps from PyTorch's, the largest
+            quantization step, how many elements are more than 1, 2 and 6 steps from PyTorch's, the largest
             difference in steps, and for (batch, classes) logits the rows whose top-1 class differs. Empty when
             not verified.
         verdict: those numbers in one line (None when not verified).
