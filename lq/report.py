@@ -39,15 +39,28 @@ def with_kernels(rows: list[dict], result) -> list[dict]:
     return out
 
 
+def kernel_rows(result) -> list[tuple[str, str, str, str]]:
+    """``(layer, op, kernel, why float)`` per layer and kernel, in the file's order.
+
+    A layer the export computes once per reader's grid (two quantizers of different scales read its output,
+    so each copy fuses: :func:`lq.export._placement`) has one row, its kernel counted (``QLinearConv x2``),
+    where the table listed the layer twice."""
+    counts: dict[tuple, int] = {}
+    for k in result.layer_kernels:
+        key = (k.layer, k.op, k.kernel, k.reason or "")
+        counts[key] = counts.get(key, 0) + 1
+    return [(layer, op, kernel if n == 1 else f"{kernel} x{n}", why) for (layer, op, kernel, why), n in counts.items()]
+
+
 def kernel_table(result, title: str = "what onnxruntime runs for each quantized layer"):
-    """A rich table: layer, exported op, onnxruntime kernel, why float."""
+    """A rich table: layer, exported op, onnxruntime kernel, why float (:func:`kernel_rows`)."""
     from rich.table import Table
 
     table = Table(title=title)
     for c in ("layer", "op", "onnxruntime kernel", "why float"):
         table.add_column(c)
-    for k in result.layer_kernels:
-        table.add_row(k.layer, k.op, k.kernel, k.reason or "")
+    for row in kernel_rows(result):
+        table.add_row(*row)
     check = getattr(result, "speed_check", None)
     if check is not None:
         table.caption = f"speed: {check.ratio:.2f}x {check.reference} ({check.details()})"

@@ -283,3 +283,34 @@ def test_float_warning_counts_the_layers_it_names_and_a_moved_pool_names_the_act
     res = _export(_quantized(model, x), x, tmp_path)
     assert [k.layer for k in res.layer_kernels if not k.integer] == ["0"] and res.layer_kernels[0].by_choice
     assert not [w for w in res.warnings if w.startswith("onnxruntime runs")], res.warnings
+
+
+def test_a_layer_computed_once_per_readers_grid_is_one_row(tmp_path):
+    """A conv whose ReLU output two quantizers of different scales read is exported twice (each copy fuses into
+    its own QLinearConv). The kernel table listed that layer twice ("stem.0" two QLinearConv rows); it is one
+    row with the kernel counted, and layer_kernels (one entry per exported op) still matches onnxruntime."""
+    from lq.report import kernel_rows, kernel_table
+
+    class Fork(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+            self.a, self.b = nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 16, 1)
+
+        def forward(self, x):
+            y = self.stem(x)
+            return torch.cat([self.a(y), self.b(y)], 1).mean((2, 3))
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 16, 16)
+    model = _quantized(Fork().eval(), x)
+    with torch.no_grad():
+        model.b._input_quantizer.amax.mul_(0.5)  # the two readers of the stem's output on different grids
+    res = _export(model, x, tmp_path, verify=False)
+    assert [k.layer for k in res.layer_kernels].count("stem.0") == 2  # two exported convs ...
+    rows = kernel_rows(res)
+    assert [r[0] for r in rows].count("stem.0") == 1, rows  # ... one row
+    assert next(r for r in rows if r[0] == "stem.0")[2] == "QLinearConv x2"
+    assert res.kernel_of("stem.0") == "QLinearConv"
+    assert sum(k.kernel == "QLinearConv" for k in res.layer_kernels) == optimized_op_counts(res.path)["QLinearConv"]
+    assert kernel_table(res).row_count == len(rows)
