@@ -540,8 +540,8 @@ def run_model(spec: Spec, epochs: int, fast: bool, d: str) -> dict:
     t0 = time.perf_counter()
     train(spec, model, xtr, ytr, epochs)
     outputs = ["region", "link"] if spec.seg else ["output"]
-    row: dict = {"model": spec.label, "metric": spec.metric, "data": spec.data, "input": list(xtr.shape[1:]), "epochs": epochs,
-                 "train_images": len(xtr), "test_images": len(xte), "train_s": time.perf_counter() - t0,
+    row: dict = {"model": spec.label, "metric": spec.metric, "data": spec.data, "input": list(xtr.shape[1:]),
+                 "epochs": epochs, "train_images": len(xtr), "test_images": len(xte), "train_s": time.perf_counter() - t0,
                  "params": sum(p.numel() for p in model.parameters()), "quality": {},
                  "quality_torch": {"FP32": torch_quality(spec, model, xte, yte)}, "verified": {}, "notes": []}
     batches = list(xtr[: 64 if fast else 256].split(32))
@@ -679,9 +679,21 @@ def quiet_sentence(rows: list[dict], cores: int | None) -> str:
             f"this bench alone): the machine was {verdict}.")
 
 
+#: AMD's x86 families by microarchitecture: a virtual machine's bare "AMD EPYC" says only this much
+_AMD_FAMILIES = {"23": "Zen / Zen 2", "25": "Zen 3 / Zen 4", "26": "Zen 5"}
+
+
+def cpu_name(info: dict) -> str:
+    """The CPU as the tables name it: model name (family, model), AMD's microarchitecture where the family says
+    it, and the integer-SIMD level onnxruntime's kernels use."""
+    m = re.search(r"\(family (\d+), model", info["cpu"])
+    zen = _AMD_FAMILIES.get(m.group(1)) if m and "AMD" in info["cpu"] else None
+    return f"{info['cpu']}{f' [{zen}]' if zen else ''}, {info['isa']}"
+
+
 def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: bool) -> Path:
     info = _report.machine()
-    cpu = f"{info['cpu']}, {info['isa']}"
+    cpu = cpu_name(info)
     bs = batch_sizes(fast)
     full = "python -m bench.library"
     lines = ["# Library-style models (issue 27, item 5)", "",
@@ -702,7 +714,7 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: 
     head = ["model", "FP32 ms b" + "/".join(map(str, bs)), f"FP32 {'/'.join(sorted({r['metric'] for r in rows}))}"]
     for c in CONTENDERS:
         head.append(f"{c}: speed-up b{'/'.join(map(str, bs))}, quality")
-    head += ["integer conv/gemm: lq default / rr / qs", "lq verified (default; rr)"]
+    head += ["integer conv/gemm in onnxruntime's graph", "lq verified (default; rr)"]
     body = []
     for r in rows:
         line = [r["model"], " / ".join(f"{r['ms_fp32'][str(b)]['median'] * 1e3:.2f}" for b in bs),
@@ -726,7 +738,8 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: 
               _report.table(["model", "integer conv/gemm: qs vs lq", "quantized ops qs runs more of",
                              "lq's float conv/gemm, by reason"], gaps(rows), "lrll"), ""]
     lines += ["## Tasks", ""] + [f"- **{r['model']}**: {TASKS[r['data']]}; {r['train_images']} training / "
-                                 f"{r['test_images']} test images, {r['epochs']} epochs." for r in rows] + [""]
+                                 f"{r['test_images']} test images, {r['epochs']} epoch{'s' * (r['epochs'] != 1)}."
+                                 for r in rows] + [""]
     lines += [f"## Every file (CPU: {cpu})", ""]
     body = []
     for r in rows:
@@ -744,7 +757,7 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: 
                             body, "ll" + "r" * (len(bs) + 3) + "l"), ""]
     lines += ["## What runs in float (lq's export report), and onnxruntime's integer kernels per file", ""]
     for r in rows:
-        lines += [f"**{r['model']}** ({r['params']:,} parameters, input {tuple(r['input'])}, {r['epochs']} epochs on "
+        lines += [f"**{r['model']}** ({r['params']:,} parameters, input {tuple(r['input'])}, {r['epochs']} epoch(s) on "
                   f"{r['train_images']} images in {r['train_s']:.0f} s)", ""]
         for n in r["notes"]:
             lines.append(f"- {n}")
@@ -772,7 +785,7 @@ def main(argv=None) -> int:
                     help="indices of the models to run (default all)")
     args = ap.parse_args(argv)
     out, cmd, t0 = _report.start_run(args)
-    _report.log(f"CPU: {_report.machine()['cpu']}, {_report.cpu_isa()}")
+    _report.log(f"CPU: {cpu_name(_report.machine())}")
     rows = []
     for i, spec in enumerate(MODELS):
         if args.models is not None and i not in args.models:
@@ -793,7 +806,7 @@ def main(argv=None) -> int:
     _report.write_json(out / "library.json", {"rows": rows, "machine": _report.machine(), "command": cmd,
                                               "fast": args.fast, "seconds": seconds, "targets": targets(rows)})
     md = write_markdown(rows, out, cmd, seconds, args.fast)
-    print(f"\nCPU: {_report.machine()['cpu']}, {_report.cpu_isa()}")
+    print(f"\nCPU: {cpu_name(_report.machine())}")
     for a, b, c in targets(rows):
         print(f"{'PASS' if c else 'MISS'}  {a}: {b}")
     print(f"\nwrote {md} ({seconds:.0f} s)")
