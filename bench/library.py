@@ -426,7 +426,7 @@ def loss_fn(spec: Spec, out, y):
 
 
 def train(spec: Spec, model: nn.Module, x, y, epochs: int, batch: int = 32) -> nn.Module:
-    """AdamW with a cosine decay, seeded batches."""
+    """AdamW with a one-cycle (cosine) learning rate, seeded batches of 32."""
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=1e-4)
     steps = epochs * math.ceil(len(x) / batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, spec.lr, total_steps=steps, pct_start=0.15)
@@ -541,8 +541,8 @@ def run_model(spec: Spec, epochs: int, fast: bool, d: str) -> dict:
     train(spec, model, xtr, ytr, epochs)
     outputs = ["region", "link"] if spec.seg else ["output"]
     row: dict = {"model": spec.label, "metric": spec.metric, "data": spec.data, "input": list(xtr.shape[1:]),
-                 "epochs": epochs, "train_images": len(xtr), "test_images": len(xte), "train_s": time.perf_counter() - t0,
-                 "params": sum(p.numel() for p in model.parameters()), "quality": {},
+                 "epochs": epochs, "train_images": len(xtr), "test_images": len(xte),
+                 "train_s": time.perf_counter() - t0, "params": sum(p.numel() for p in model.parameters()), "quality": {},
                  "quality_torch": {"FP32": torch_quality(spec, model, xte, yte)}, "verified": {}, "notes": []}
     batches = list(xtr[: 64 if fast else 256].split(32))
     paths = {FP32: os.path.join(d, "fp32.onnx")}
