@@ -543,7 +543,8 @@ def run_model(spec: Spec, epochs: int, fast: bool, d: str) -> dict:
     row: dict = {"model": spec.label, "metric": spec.metric, "data": spec.data, "input": list(xtr.shape[1:]),
                  "epochs": epochs, "train_images": len(xtr), "test_images": len(xte),
                  "train_s": time.perf_counter() - t0, "params": sum(p.numel() for p in model.parameters()),
-                 "quality": {}, "quality_torch": {"FP32": torch_quality(spec, model, xte, yte)}, "verified": {}, "notes": []}
+                 "quality": {}, "quality_torch": {"FP32": torch_quality(spec, model, xte, yte)}, "verified": {},
+                 "notes": []}
     batches = list(xtr[: 64 if fast else 256].split(32))
     paths = {FP32: os.path.join(d, "fp32.onnx")}
     export_fp32(model, paths[FP32], xtr[:1], outputs)
