@@ -274,8 +274,9 @@ class CalibConfig:
     Attributes:
         enabled: run calibration (skipped anyway when a restored checkpoint holds amax).
         method: ``auto`` (per layer group, whichever of max / percentile / mse / entropy keeps the model's
-            output closest to float on the first calibration batches), or ``max``, ``entropy`` (TensorRT's
-            KL), ``percentile`` or ``mse`` for every layer.
+            output closest to float on the first calibration batches, checked against ``max`` on up to 8 batches:
+            never worse than ``max`` on the model's output), or ``max``, ``entropy`` (TensorRT's KL),
+            ``percentile`` or ``mse`` for every layer.
         num_batches: batches of the calibration dataloader to collect.
         dataloader: ``train`` or ``val``: which of the datamodule's loaders calibrates.
         percentile: for ``method="percentile"``.
@@ -542,7 +543,7 @@ def _attribute_docs(cls) -> Dict[str, str]:
 
 
 def reference_markdown() -> str:
-    """The README's config reference, generated from the dataclasses (fields, defaults, docs)."""
+    """The config reference of docs/reference.md, generated from the dataclasses (fields, defaults, docs)."""
     sections = [
         ("quant (`QuantConfig`)", QuantConfig, "Recipes: " + ", ".join(f"`{k}` ({v.__name__})" for k, v in RECIPES.items()) + "."),
         ("quant.input / quant.weight (`QuantizerConfig`)", QuantizerConfig, ""),

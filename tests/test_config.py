@@ -135,13 +135,13 @@ def test_lightning_cli_parses_callback_config(tmp_path):
     assert {"method", "num_batches", "percentile"} <= names
 
 
-def test_readme_config_reference_is_current():
+def test_docs_config_reference_is_current():
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "scripts" / "update_readme.py"), "--check"],
+    out = subprocess.run([sys.executable, str(root / "scripts" / "update_reference.py"), "--check"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 

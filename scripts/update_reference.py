@@ -1,7 +1,7 @@
-"""Regenerate the README's config reference from the dataclasses in lq/config.py.
+"""Regenerate the config reference in docs/reference.md from the dataclasses in lq/config.py.
 
-    python scripts/update_readme.py          # rewrite README.md in place
-    python scripts/update_readme.py --check  # exit 1 if README.md is out of date (the test suite does this)
+    python scripts/update_reference.py          # rewrite docs/reference.md in place
+    python scripts/update_reference.py --check  # exit 1 if it is out of date (the test suite does this)
 """
 
 import sys
@@ -10,7 +10,7 @@ from pathlib import Path
 from lq.config import reference_markdown
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
-README = Path(__file__).resolve().parents[1] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
 
 
 def render(text: str) -> str:
@@ -20,14 +20,14 @@ def render(text: str) -> str:
 
 
 def main() -> int:
-    text = README.read_text()
+    text = REFERENCE.read_text()
     new = render(text)
     if "--check" in sys.argv:
         if new != text:
-            print("README.md config reference is out of date: run python scripts/update_readme.py")
+            print("docs/reference.md config reference is out of date: run python scripts/update_reference.py")
             return 1
         return 0
-    README.write_text(new)
+    REFERENCE.write_text(new)
     return 0
 
 
