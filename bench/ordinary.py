@@ -283,15 +283,21 @@ def lq_ptq(model: nn.Module, batches, reduce_range: bool, method: str | None = N
                                   recurrent=recurrent)
 
 
-def export_fp32(model: nn.Module, path: str, sample) -> None:
+def export_fp32(model: nn.Module, path: str, sample, exporter: str = "dynamo") -> None:
     """The user's plain FP32 file: ``torch.onnx.export`` with its default (current) exporter and a dynamic batch,
-    as the export's own speed check makes it, so the two time the same kind of file."""
+    as the export's own speed check makes it, so the two time the same kind of file. ``exporter="legacy"``: the
+    TorchScript exporter's file, which onnxruntime's ``quantize_static`` takes for every model here (on the
+    current exporter's file it refuses the depthwise ResNet: 'shared mode is not supported for weight')."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model.eval(), (sample,), path, input_names=["input"], output_names=["output"],
-                          dynamic_shapes=({0: torch.export.Dim("batch", min=1)},))
+        if exporter == "legacy":
+            torch.onnx.export(model.eval(), (sample,), path, dynamo=False, opset_version=17, input_names=["input"],
+                              output_names=["output"], dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})
+        else:
+            torch.onnx.export(model.eval(), (sample,), path, input_names=["input"], output_names=["output"],
+                              dynamic_shapes=({0: torch.export.Dim("batch", min=1)},))
 
 
 def run_model(label: str, ctor, shape, epochs: int, fast: bool, d: str, log) -> dict:
@@ -320,7 +326,8 @@ def run_model(label: str, ctor, shape, epochs: int, fast: bool, d: str, log) -> 
         row["acc"][name] = ort_accuracy(p, xte, yte)
         _count_kernels(row, name, res, time.perf_counter() - t)
     try:
-        ort_quantize_static(paths["FP32 export"], os.path.join(d, "ort.onnx"), batches)
+        export_fp32(model, os.path.join(d, "fp32_legacy.onnx"), xtr[:1], exporter="legacy")
+        ort_quantize_static(os.path.join(d, "fp32_legacy.onnx"), os.path.join(d, "ort.onnx"), batches)
         paths[ORT_QS] = os.path.join(d, "ort.onnx")
         row["acc"][ORT_QS] = ort_accuracy(paths[ORT_QS], xte, yte)
     except Exception as e:
