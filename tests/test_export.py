@@ -552,17 +552,23 @@ def test_a_mean_exports_at_a_requested_opset_17_without_a_warning(tmp_path):
     assert res.verified
 
 
-@pytest.mark.parametrize("dynamo, native", [(True, 18), (False, 17)])
-def test_no_opset_asked_gives_the_exporters_own_and_no_opset_warning(tmp_path, dynamo, native):
-    """A user who names no opset gets the one the exporter writes, unconverted, and no word about opsets. A
-    TransformerEncoderLayer is a graph onnx's version converter cannot take from 18 to 17: with a default of 17
-    every such export warned that a conversion nobody asked for had failed."""
+def _calibrated_encoder():
+    """A quantized, max-calibrated TransformerEncoderLayer + head and its sample."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), nn.Linear(32, 5)).eval()
     x = torch.randn(4, 7, 32)
     quantize_model(model)
     with torch.no_grad():
         calibrate_model(model, [x], method="max")
+    return model, x
+
+
+@pytest.mark.parametrize("dynamo, native", [(True, 18), (False, 17)])
+def test_no_opset_asked_gives_the_exporters_own_and_no_opset_warning(tmp_path, dynamo, native):
+    """A user who names no opset gets the one the exporter writes, unconverted, and no word about opsets. A
+    TransformerEncoderLayer is a graph onnx's version converter cannot take from 18 to 17: with a default of 17
+    every such export warned that a conversion nobody asked for had failed."""
+    model, x = _calibrated_encoder()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = export_onnx(model, x, str(tmp_path / "t.onnx"), dynamo=dynamo)
@@ -574,12 +580,7 @@ def test_no_opset_asked_gives_the_exporters_own_and_no_opset_warning(tmp_path, d
 
 def test_an_asked_opset_that_cannot_be_reached_is_said(tmp_path):
     """The warning stays for what the user asked for: opset 17 from the current exporter on that graph."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), nn.Linear(32, 5)).eval()
-    x = torch.randn(4, 7, 32)
-    quantize_model(model)
-    with torch.no_grad():
-        calibrate_model(model, [x], method="max")
+    model, x = _calibrated_encoder()
     res = export_onnx(model, x, str(tmp_path / "t.onnx"), opset=17)
     assert res.opset == 18 and any("requested opset 17" in w for w in res.warnings), res.warnings
 
