@@ -297,7 +297,7 @@ def export_fp32(model: nn.Module, path: str, sample, exporter: str = "dynamo") -
                               output_names=["output"], dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})
         else:
             torch.onnx.export(model.eval(), (sample,), path, input_names=["input"], output_names=["output"],
-                              dynamic_shapes=({0: torch.export.Dim("batch", min=1)},))
+                              dynamic_shapes=({0: torch.export.Dim("batch", min=1)},), verbose=False)
 
 
 def run_model(label: str, ctor, shape, epochs: int, fast: bool, d: str, log) -> dict:
