@@ -29,13 +29,15 @@ and calibrate, 1,000 to test:
   threshold of the input fail (the net must use context), and the metric moves when the mask's edges degrade,
   which is where quantization noise shows.
 
-For each model: FP32 training (seeded), then the columns of :mod:`bench.ordinary`: the FP32 ONNX export; lq's
+For each model: FP32 training (seeded), then the columns of :mod:`bench.ordinary`: the FP32 ONNX export (the
+current exporter's, the baseline of every speed-up; the legacy exporter's too, timed beside it); lq's
 default path (``quantize_model`` + calibration with no method, i.e. ``auto``), exported by ``lq.export.export_onnx``
 with the default recipe and with ``int8_reduce_range``; onnxruntime's ``quantize_static`` (QDQ, per-channel, after
 ``quant_pre_process``); speed-ups over the FP32 export at batch 1, 8 and 32 (1 thread, files timed in turns);
 accuracy / IoU of every file in onnxruntime; integer conv/gemm counts (lq: its export report, every file: the graph
 onnxruntime runs); whether lq's export verified (the error text when not: the file is then exported again with
-``verify=False`` so that its speed and accuracy are still measured).
+``verify=False`` so that its speed and accuracy are still measured); ``quantize_static`` is given the legacy
+exporter's FP32 file, as in bench.ordinary.
 
 ``--fast``: a bounded smoke run (512 training images, 256 test images, 1 epoch, batch 1 and 8, few repeats).
 """
@@ -68,6 +70,7 @@ from bench.ordinary import ORT_QS, _count_kernels
 torch.set_flush_denormal(True)
 
 FP32 = "FP32 export"
+FP32_LEGACY = "FP32 export (legacy exporter)"
 LQ_DEFAULT = "lq default"
 LQ_REDUCE = "lq int8_reduce_range"
 CONTENDERS = (LQ_DEFAULT, LQ_REDUCE, ORT_QS)
@@ -476,12 +479,19 @@ def ort_quality(spec: Spec, path: str, x, y) -> float:
 
 
 # =========================================================================== files
-def export_fp32(model: nn.Module, path: str, sample, outputs: list[str]) -> None:
-    """The user's plain FP32 export (legacy exporter, opset 17, dynamic batch), as bench.ordinary makes it."""
+def export_fp32(model: nn.Module, path: str, sample, outputs: list[str], exporter: str = "dynamo") -> None:
+    """The user's plain FP32 file as bench.ordinary makes it: ``torch.onnx.export`` with its default (current)
+    exporter and a dynamic batch, the file lq's own speed check compares with; ``exporter="legacy"``: the
+    TorchScript exporter's file (opset 17), the one onnxruntime's ``quantize_static`` is given (it refuses some
+    current-exporter files: 'shared mode is not supported for weight')."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model.eval(), (sample,), path, dynamo=False, opset_version=17, input_names=["input"],
-                          output_names=outputs, dynamic_axes={k: {0: "batch"} for k in ["input", *outputs]})
+        if exporter == "legacy":
+            torch.onnx.export(model.eval(), (sample,), path, dynamo=False, opset_version=17, input_names=["input"],
+                              output_names=outputs, dynamic_axes={k: {0: "batch"} for k in ["input", *outputs]})
+        else:
+            torch.onnx.export(model.eval(), (sample,), path, input_names=["input"], output_names=outputs,
+                              dynamic_shapes=({0: torch.export.Dim("batch", min=1)},), verbose=False)
 
 
 def conv_gemm_counts(path: str) -> dict:
@@ -546,16 +556,18 @@ def run_model(spec: Spec, epochs: int, fast: bool, d: str) -> dict:
                  "quality": {}, "quality_torch": {"FP32": torch_quality(spec, model, xte, yte)}, "verified": {},
                  "notes": []}
     batches = list(xtr[: 64 if fast else 256].split(32))
-    paths = {FP32: os.path.join(d, "fp32.onnx")}
+    paths = {FP32: os.path.join(d, "fp32.onnx"), FP32_LEGACY: os.path.join(d, "fp32_legacy.onnx")}
     export_fp32(model, paths[FP32], xtr[:1], outputs)
-    row["quality"][FP32] = ort_quality(spec, paths[FP32], xte, yte)
+    export_fp32(model, paths[FP32_LEGACY], xtr[:1], outputs, "legacy")
+    for k in (FP32, FP32_LEGACY):
+        row["quality"][k] = ort_quality(spec, paths[k], xte, yte)
     for name, rr in LQ_RECIPES:
         p = os.path.join(d, f"lq_{int(rr)}.onnx")
         if lq_file(row, name, model, batches, rr, p, outputs, spec, xte, yte):
             paths[name] = p
     try:
         p = os.path.join(d, "ort_qs.onnx")
-        ort_quantize_static(paths[FP32], p, batches)
+        ort_quantize_static(paths[FP32_LEGACY], p, batches)
         paths[ORT_QS] = p
         row["quality"][ORT_QS] = ort_quality(spec, p, xte, yte)
     except Exception as e:  # noqa: BLE001
@@ -706,8 +718,10 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: 
              "test; see the docstring of `bench/library.py` for each task). lq default = `quantize_model` + "
              "`calibrate_model` with no method (`auto`) with the default recipe; int8_reduce_range = the same with "
              "that recipe; qs = onnxruntime's `quantize_static` (QDQ, per-channel, u8s8, after `quant_pre_process`) "
-             "on the FP32 export, same 256 calibration images. Speed-up = FP32 export time / file time in onnxruntime "
-             "1.x, 1 intra-op thread, files timed in turns, `median [p25-p75]` of paired per-round ratios. "
+             "on the legacy exporter's FP32 file (the current exporter's is refused by it on some models), same 256 "
+             "calibration images. Speed-up = time of the user's plain FP32 export (`torch.onnx.export`'s default, "
+             "current exporter, as lq's own speed check makes it) / file time in onnxruntime, 1 intra-op thread, "
+             "files timed in turns, `median [p25-p75]` of paired per-round ratios. "
              "Accuracy / IoU of every file in onnxruntime on the test set. Integer conv/gemm = integer kernels / all "
              "conv+gemm+matmul kernels in the graph onnxruntime runs after its fusions; lq report = its export "
              "report's integer layers / quantized layers.", "",
@@ -744,13 +758,14 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: 
     lines += [f"## Every file (CPU: {cpu})", ""]
     body = []
     for r in rows:
-        for c in (FP32, *CONTENDERS):
+        for c in (FP32, FP32_LEGACY, *CONTENDERS):
             if c not in r["quality"]:
                 body.append([r["model"], c] + ["-"] * len(bs) + ["-", "-", "-", _verified(r, c)])
                 continue
             sp = [("1.00x" if c == FP32 else _report.fmt_ratio(r["speedup"][str(b)][c])) for b in bs]
             body.append([r["model"], c, *sp, _q(r, r["quality"][c]),
-                         _q(r, r["quality_torch"].get(c if c != FP32 else "FP32")) if c != ORT_QS else "-",
+                         _q(r, r["quality_torch"].get(c if c != FP32 else "FP32")) if c not in (ORT_QS, FP32_LEGACY)
+                         else "-",
                          _ort_counts(r, c) + (f" (lq report {_lq_counts(r, c)})" if c in r.get("kernels", {}) else ""),
                          _verified(r, c) if c in (LQ_DEFAULT, LQ_REDUCE) else "-"])
     lines += [_report.table(["model", "file"] + [f"speed-up b{b}" for b in bs]

@@ -64,24 +64,27 @@ def test_every_model_has_its_row(run):
         name = r["model"]
         assert r["metric"] in ("accuracy", "IoU"), name
         # every file was made and measured: FP32, lq's two recipes, onnxruntime's quantize_static
-        assert set(r["quality"]) == {L.FP32, *L.CONTENDERS}, (name, r["quality"], r["verified"], r["notes"])
+        assert set(r["quality"]) == {L.FP32, L.FP32_LEGACY, *L.CONTENDERS}, (name, r["quality"], r["verified"],
+                                                                              r["notes"])
         for k, v in [*r["quality"].items(), *r["quality_torch"].items()]:
             assert isinstance(v, float) and 0.0 <= v <= 1.0, (name, k, v)
         assert set(r["speedup"]) == {"1", "8"}, name  # --fast: batch 1 and 8
         for b, sp in r["speedup"].items():
-            assert set(sp) == set(L.CONTENDERS), (name, b, sp)
+            assert set(sp) == {L.FP32_LEGACY, *L.CONTENDERS}, (name, b, sp)
             assert all(_ratio_ok(s) for s in sp.values()), (name, b, sp)
             assert r["ms_fp32"][b]["median"] > 0, (name, b)
         # the FP32 file is the trained model: its onnxruntime quality is PyTorch's (two test images may differ)
         allowed = 0.01 if r["metric"] == "IoU" else 2 / r["test_images"] + 1e-9
-        assert abs(r["quality"][L.FP32] - r["quality_torch"]["FP32"]) <= allowed, (name, r["quality"])
+        for f in (L.FP32, L.FP32_LEGACY):
+            assert abs(r["quality"][f] - r["quality_torch"]["FP32"]) <= allowed, (name, f, r["quality"])
         # lq's verification is recorded either way, with the error text when it failed
         for c, _ in L.LQ_RECIPES:
             v = r["verified"][c]
             assert isinstance(v["verified"], bool) and (v["verified"] or v["error"]), (name, c, v)
         # conv/gemm kernels counted in the graph onnxruntime runs, and lq's report of its own layers
         k = r["ort_kernels"]
-        assert k[L.FP32]["integer"] == 0 and k[L.FP32]["float"] >= 1, (name, k[L.FP32])
+        for f in (L.FP32, L.FP32_LEGACY):
+            assert k[f]["integer"] == 0 and k[f]["float"] >= 1, (name, f, k[f])
         assert k[L.ORT_QS]["integer"] >= 1, (name, k[L.ORT_QS])
         for c in L.CONTENDERS:
             assert 0 <= k[c]["integer"] and k[c]["integer"] + k[c]["float"] >= 1, (name, c, k[c])
