@@ -305,7 +305,10 @@ def _choose(cfg: JobConfig, res: JobResult, ptq, qat, dm, split: Optional[str], 
     QAT that made the model worse is said either way (and the PTQ model saved as a checkpoint of its own)."""
     if split is None or cfg.qat_epochs == 0:
         return "qat"
-    p, q = _accuracy(ptq, dm, split), _accuracy(qat, dm, split)
+    if split == res.eval_split:  # measured already for the table (a DataModule with val and no test)
+        p, q = res.accuracy.get("ptq"), res.accuracy.get("qat")
+    else:
+        p, q = _accuracy(ptq, dm, split), _accuracy(qat, dm, split)
     if p is None or q is None:
         return "qat"
     res.selection = {"ptq": p, "qat": q}

@@ -9,7 +9,6 @@ error text, which is what this test asks for.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import math
 import os
@@ -18,17 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from _deps import installed
 from _limits import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _has_mlxtend() -> bool:
-    try:
-        importlib.metadata.distribution("mlxtend")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+    return installed("mlxtend")
 
 
 @pytest.fixture(scope="module")

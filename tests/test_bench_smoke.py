@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _deps import installed
 from _limits import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,13 +57,7 @@ def _has(mod: str) -> bool:
 
 
 def _has_mlxtend() -> bool:
-    import importlib.metadata
-
-    try:
-        importlib.metadata.distribution("mlxtend")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+    return installed("mlxtend")
 
 
 @pytest.fixture(scope="module")
