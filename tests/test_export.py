@@ -370,7 +370,7 @@ def test_dynamic_block_quant_activation_is_refused_weights_are_blocked(tmp_path)
     with pytest.raises(ExportError, match=r"opset >= 21"):
         export_onnx(model, torch.randn(4, 32), tmp_path / "blk19.onnx", opset=19, dynamo=False)
     path = str(tmp_path / "blk21.onnx")
-    res = export_onnx(model, torch.randn(4, 32), path, opset=21, dynamo=False, check_fusion=False)
+    res = export_onnx(model, torch.randn(4, 32), path, opset=21, dynamo=False, check_fusion=False, target="tensorrt")
     dq = [n for n in _nodes(path, "DequantizeLinear") if _attr(n, "block_size")]
     assert len(dq) == 1 and _attr(dq[0], "block_size") == 16
     assert res.verified
@@ -410,6 +410,10 @@ def test_static_block_weights_export_as_blocked_dequantize(tmp_path, dynamo):
     calibrate_model(model, [torch.randn(8, 32)])
     path = str(tmp_path / "static_blk.onnx")
     res = export_onnx(model, torch.randn(4, 32), path, opset=21, dynamo=dynamo, check_fusion=False)
+    assert res.max_abs_diff <= 1e-5  # for onnxruntime: its block kernel (tests/test_int4_export.py)
+    (mm,) = _nodes(path, "MatMulNBits")
+    assert _attr(mm, "block_size") == 16 and _attr(mm, "bits") == 8
+    res = export_onnx(model, torch.randn(4, 32), path, opset=21, dynamo=dynamo, check_fusion=False, target="tensorrt")
     assert res.max_abs_diff <= 1e-5
     (dq,) = [n for n in _nodes(path, "DequantizeLinear") if _attr(n, "block_size")]
     inits = _init(path)

@@ -18,8 +18,8 @@ from torch.nn.utils.rnn import PackedSequence
 
 from lq.export import (_channel_affine, _dynamic_lstm, _finish, _float_convs, _float_twin, _fold_bn, _fold_constants,
                        _fp32_reference, _gelu_order, _int16, _kernel_report, _linear_gemm, _loop_ops, _loops, _lower,
-                       _mean_first, _model_checks, _placement, _pool_first, _symbolic, _timing, _torch_onnx, _upsample,
-                       _verify)
+                       _matmul_nbits, _mean_first, _model_checks, _placement, _pool_first, _symbolic, _timing,
+                       _torch_onnx, _upsample, _verify)
 from lq.export._fold_bn import FoldRecord
 from lq.export._ir import ExportError, Graph, QuantNodeInfo, all_nodes, layer_name
 from lq.export._kernel_report import LayerKernel
@@ -252,6 +252,8 @@ def export_onnx(
         _fold_constants.fold_constants(g)
         _lower.lower_placeholders(g, lower_opts, infos)
         _lower.fold_weight_quantize(g)
+        if target == "onnxruntime":  # block-quantized Linear weights -> onnxruntime's MatMulNBits kernel
+            notes.extend(_matmul_nbits.write_matmul_nbits(g))
         for layer, unsigned in _dynamic_lstm.write_dynamic_lstms(g):
             dynamic_lstms.append(layer)
             if unsigned:

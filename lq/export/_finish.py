@@ -105,7 +105,7 @@ def weights_to_qdq(g: Graph) -> None:
     for n in g.nodes:
         if n.op_type == "DequantizeLinear" and g.is_const(n.input[0]):
             q = g.const(n.input[0])
-            if q is not None and q.dtype in (np.int8, np.uint8):
+            if q is not None and q.dtype in (np.int8, np.uint8) and not attr(n, "block_size", 0):  # blocked: kept
                 w = _dequantize(q, g.const(n.input[1]), g.const(n.input[2]) if len(n.input) > 2 else None,
                                 attr(n, "axis", 1))
                 wname = g.add_const(n.input[0] + "_float", np.asarray(w, dtype=np.float32))

@@ -31,6 +31,8 @@ CHOSEN = (BY_CHOICE, ON_THE_MEAN)
 #: exported ops a layer's kernel is reported for (the compute ops and the quantized joins/pools)
 COMPUTE = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 _JOINS = ("Add", "Mul", "Concat", "AveragePool", "GlobalAveragePool")
+#: the op a block-quantized Linear is written as for onnxruntime (its 4/8-bit weight kernel)
+BLOCK_KERNEL = "MatMulNBits"
 #: activations lq.glue gives no output quantizer in front of (see FLOAT_READER_MODULES in lq.glue._rules)
 _SLOPED = ("PRelu", "LeakyRelu")
 
@@ -184,6 +186,11 @@ def _kernels(g: Graph, optimized: onnx.GraphProto, model: onnx.ModelProto, layer
             kernel = opt_by_name[n.name].op_type if n.name in opt_by_name else n.op_type
             out.append(LayerKernel(layer_of.get(n.name) or n.name, n.op_type, kernel,
                                    None if kernel in INT8_KERNELS else "onnxruntime did not run its fused kernel"))
+            continue
+        if n.op_type == BLOCK_KERNEL:  # block-quantized weights inside the op (lq.export._matmul_nbits)
+            kernel = opt_by_name[n.name].op_type if n.name in opt_by_name else n.op_type
+            out.append(LayerKernel(layer_of.get(n.name) or n.name, n.op_type, kernel,
+                                   None if kernel in INT8_KERNELS else "onnxruntime did not run its 4-bit kernel"))
             continue
         if n.op_type not in COMPUTE + _JOINS or not _quantized(n, prod) or MEAN_FIRST in n.name:
             continue  # (a mean the export moved in front of a 1x1 conv: the model's float mean, not a layer)

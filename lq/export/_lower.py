@@ -167,7 +167,7 @@ def _lower_int(g: Graph, n, layer, opts, infos, x_rank, xc):
     amax = amax.astype(np.float32)
     if not np.all(np.isfinite(amax)) or np.any(amax < 0):
         raise ExportError(f"quantizer '{layer}' has a negative or non-finite amax ({amax.ravel()[:4]}...)")
-    if xc is not None and _static_block(amax.shape, xc.shape) is not None:
+    if xc is not None and _static_block(amax.shape, xc.shape, _one_block_row(g, n, amax.shape, xc.shape)) is not None:
         return _lower_static_block(g, n, layer, opts, infos, xc, amax, num_bits, unsigned, narrow, maxbound, hint)
     if xc is not None and not np.all(np.isfinite(xc)):
         raise ExportError(f"the tensor quantized by '{layer}' holds NaN/Inf ({int(np.sum(~np.isfinite(xc)))} of "
@@ -216,23 +216,39 @@ def _lower_int(g: Graph, n, layer, opts, infos, x_rank, xc):
     return nodes
 
 
-def _static_block(amax_shape, x_shape):
+def _static_block(amax_shape, x_shape, one_block: bool = False):
     """(axis, block) when ``amax`` is a calibrated per-block amax of ``x`` (lq's blocked view: every dim equal
-    except one of size 1 where ``x`` has the block), else None."""
+    except one of size 1 where ``x`` has the block), else None. ``one_block``: the view has one block per row
+    (block_size == the row), which only the Reshape back tells from a per-channel amax."""
     if len(amax_shape) != len(x_shape) or int(np.prod(amax_shape)) == 1:
         return None
     diff = [i for i, (a, b) in enumerate(zip(amax_shape, x_shape)) if a != b]
     big = [i for i, a in enumerate(amax_shape) if a != 1]
-    if len(diff) != 1 or amax_shape[diff[0]] != 1 or len(big) < 2:
+    if len(diff) != 1 or amax_shape[diff[0]] != 1 or (len(big) < 2 and not one_block):
         return None
     return diff[0], int(x_shape[diff[0]])
+
+
+def _one_block_row(g: Graph, n, amax_shape, x_shape) -> bool:
+    """``x`` is lq's blocked view ``(..., 1, B, ...)`` of a weight with one block per row: the amax is 1 on the
+    view's block axis and the axis before it, and the only reader reshapes the two back into one."""
+    if len(amax_shape) != len(x_shape) or len(x_shape) < 2:
+        return False
+    diff = [i for i, (a, b) in enumerate(zip(amax_shape, x_shape)) if a != b]
+    if len(diff) != 1 or diff[0] < 1 or x_shape[diff[0] - 1] != 1 or amax_shape[diff[0]] != 1:
+        return False
+    cons = [c for c in g.nodes if n.output[0] in c.input]
+    target = g.const(cons[0].input[1]) if len(cons) == 1 and cons[0].op_type == "Reshape" else None
+    a = diff[0]
+    return target is not None and [int(v) for v in target] == list(x_shape[:a - 1]) + [x_shape[a]] + list(
+        x_shape[a + 1:])
 
 
 def _lower_static_block(g: Graph, n, layer, opts, infos, xc, amax, num_bits, unsigned, narrow, maxbound, hint):
     """Static (calibrated) block quantization of a weight: lq quantizes a blocked view ``(..., n // B, B, ...)``
     with one amax per block; that is a blocked DequantizeLinear (opset 21), folded back to the weight's own
     shape when the view is reshaped back right after."""
-    axis, block = _static_block(amax.shape, xc.shape)
+    axis, block = _static_block(amax.shape, xc.shape, _one_block_row(g, n, amax.shape, xc.shape))
     if opts.opset < 21:
         raise ExportError(f"quantizer '{layer}' is block-quantized (block_size {block}); blocked DequantizeLinear "
                           f"needs opset >= 21, got opset {opts.opset}")
@@ -243,7 +259,7 @@ def _lower_static_block(g: Graph, n, layer, opts, infos, xc, amax, num_bits, uns
     q = q.numpy()
     scale = _scale_from_amax(amax, maxbound)
     scale = np.where(amax <= AMAX_EPSILON, np.float32(1.0), scale).astype(np.float32)
-    et = TensorProto.UINT8 if unsigned else TensorProto.INT8
+    et = _block_type(num_bits, unsigned)
     out = n.output[0]
     # lq's view splits one axis a into (a, a+1) = (n // B, B); when the consumer reshapes back, do it here
     cons = [c for c in g.nodes if out in c.input]
@@ -261,12 +277,23 @@ def _lower_static_block(g: Graph, n, layer, opts, infos, xc, amax, num_bits, uns
     return _blocked_weight_dq(g, n, layer, infos, q, et, scale, axis, block, out, hint)
 
 
+def _block_type(num_bits: int, unsigned: bool) -> int:
+    """Storage type of block-quantized weight integers: 4-bit types for <= 4 bits (half the bytes), else 8-bit."""
+    if num_bits <= 4:
+        return TensorProto.UINT4 if unsigned else TensorProto.INT4
+    return TensorProto.UINT8 if unsigned else TensorProto.INT8
+
+
 def _blocked_weight_dq(g: Graph, n, layer, infos, q: np.ndarray, et: int, scale, axis: int, block: int, out: str,
                        hint: str) -> list:
     """The integers of a block-quantized weight as a constant read by one blocked DequantizeLinear."""
-    if et in (TensorProto.INT4, TensorProto.UINT4):
-        t = helper.make_tensor("w", et, list(q.shape), q.astype(np.int64).ravel().tolist())
-        qname = g.add_const(f"{hint}/weight_quantized", None, proto=t)
+    if et in (TensorProto.INT4, TensorProto.UINT4):  # through ml_dtypes' 4-bit types: no Python list per value
+        import ml_dtypes
+        from onnx import numpy_helper
+
+        q4 = q.astype(np.int8 if et == TensorProto.INT4 else np.uint8)
+        q4 = q4.astype(ml_dtypes.int4 if et == TensorProto.INT4 else ml_dtypes.uint4)
+        qname = g.add_const(f"{hint}/weight_quantized", None, proto=numpy_helper.from_array(q4, "w"))
     else:
         qname = g.add_const(f"{hint}/weight_quantized", q.astype(_NP[et]))
     sname = g.add_const(f"{hint}/scale", scale)
@@ -341,14 +368,14 @@ def _lower_block(g: Graph, n, layer, opts, infos, xc):
     sshape = list(x.shape)
     sshape[axis] //= block
     scale = scale.reshape(sshape)
-    et = TensorProto.UINT8 if unsigned else TensorProto.INT8
-    if num_bits <= 4:
-        et = TensorProto.UINT4 if unsigned else TensorProto.INT4
+    et = _block_type(num_bits, unsigned)
     qv = q.numpy().reshape(x.shape)
     return _blocked_weight_dq(g, n, layer, infos, qv, et, scale, axis, block, out, layer.replace(".", "/"))
 
 
 def _lower_affine(g: Graph, n, layer, opts, infos, x_rank):
+    """An affine (asymmetric) quantizer: one scale and a zero point from its range. For onnxruntime the codes
+    are uint8 (``zero point + 128``, the same values), the activation type its x86 kernels read."""
     x, out = n.input[0], n.output[0]
     num_bits = int(attr(n, "num_bits", 8))
     lo, hi = g.const(n.input[1]), g.const(n.input[2])
@@ -361,10 +388,11 @@ def _lower_affine(g: Graph, n, layer, opts, infos, x_rank):
     if not -128 <= zpo <= 127:
         raise ExportError(f"affine quantizer '{layer}' has a zero point {zpo} outside int8 (its range "
                           f"[{float(lo)}, {float(hi)}] must contain 0)")
+    et = TensorProto.UINT8 if opts.activation_dtype == "uint8" else TensorProto.INT8
     hint = layer.replace(".", "/")
     sname = g.add_const(f"{hint}/scale", np.array(step.item(), dtype=np.float32))
-    zname = _zero_point(g, TensorProto.INT8, (), zpo)
-    infos.append(QuantNodeInfo(layer, "activation", "int8", None, g.const(sname)))
+    zname = _zero_point(g, et, (), zpo + 128 if et == TensorProto.UINT8 else zpo)
+    infos.append(QuantNodeInfo(layer, "activation", TYPE_NAMES[et], None, g.const(sname)))
     return _qdq_nodes(g, n, x, out, sname, zname, None, hint)
 
 
