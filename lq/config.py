@@ -25,6 +25,7 @@ FORMATS = ("int", "fp8_e4m3")
 BLOCK_TYPES = ("static", "dynamic")
 CALIB_METHODS = ("auto", "max", "entropy", "percentile", "mse")
 CALIB_DATALOADERS = ("train", "val")
+BLOCK_METHODS = ("max", "mse", "awq")
 LR_POLICIES = ("none", "cosine")
 EXPORTERS = ("dynamo", "legacy")
 EXPORT_TARGETS = ("onnxruntime", "tensorrt")
@@ -284,6 +285,11 @@ class CalibConfig:
         weight_method: how weights get their amax (``max`` per channel is exact and cheap).
         method_overrides: ``{layer glob: method}`` for layers that need another method.
         skip_if_calibrated: keep amax already present (e.g. restored from a checkpoint).
+        block_method: block-quantized Linear weights (``int4_block_weight``): ``max`` (round-to-nearest with each
+            block's max), ``mse`` (per block, the fraction of its max with the smallest weight error) or ``awq``
+            (activation-aware: input channels scaled by their mean magnitude^alpha, alpha per layer on its output
+            error over the calibration batches, the inverse as one Mul before the layer; MSE blocks). Both are in
+            the model, so the exported file computes the same (``lq.calib._block_search``).
     """
 
     enabled: bool = True
@@ -295,10 +301,12 @@ class CalibConfig:
     weight_method: str = "max"
     method_overrides: Dict[str, str] = field(default_factory=dict)
     skip_if_calibrated: bool = True
+    block_method: str = "max"
 
     def __post_init__(self):
         owner = type(self).__name__
         _choice(owner, "method", self.method, CALIB_METHODS)
+        _choice(owner, "block_method", self.block_method, BLOCK_METHODS)
         _choice(owner, "weight_method", self.weight_method, tuple(m for m in CALIB_METHODS if m != "auto"))
         _choice(owner, "dataloader", self.dataloader, CALIB_DATALOADERS)
         if isinstance(self.num_batches, bool) or not isinstance(self.num_batches, int) or self.num_batches < 1:

@@ -40,6 +40,7 @@ class QuantCalibrate(L.Callback):
         self.forward = forward or calibration.default_forward
         self.calibrated = False
         self.last_amax: dict = {}
+        self.block_choices: list = []  # what calib.block_method chose per block-quantized layer
         self._ptq_state: Optional[dict] = None
 
     # ------------------------------------------------------------------ fit
@@ -84,6 +85,10 @@ class QuantCalibrate(L.Callback):
             only_uncalibrated=c.skip_if_calibrated,
             progress=self._progress(trainer),
         )
+        if c.block_method != "max":  # block-quantized weights: scale search / AWQ on the same batches
+            from lq.calib._block_search import search_block_scales
+
+            self.block_choices = search_block_scales(pl_module, c.block_method, loader, fwd, c.num_batches)
         self.calibrated = True
         rank_zero_info(f"lq: calibrated {len(self.last_amax)} quantizer(s) with method={c.method}")
         return self.last_amax
