@@ -72,6 +72,8 @@ class QuantizerConfig:
         scale_bits: quantize the block amax too with this many bits (double quantization).
         learn_amax: learn amax during QAT (PACT-style), per tensor only.
         dynamic: compute amax from every input instead of calibrating.
+        asymmetric: an affine range from calibration (a zero point from the data, all ``2^num_bits`` levels),
+            the observed min and max each clipped by the calibration method's amax; per tensor, activations.
     """
 
     enabled: bool = True
@@ -86,6 +88,7 @@ class QuantizerConfig:
     scale_bits: Optional[int] = None
     learn_amax: bool = False
     dynamic: bool = False
+    asymmetric: bool = False
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -105,6 +108,8 @@ class QuantizerConfig:
             learn_amax=self.learn_amax,
             dynamic=self.dynamic,
         )
+        if self.asymmetric:
+            kwargs["asymmetric"] = True
         if self.axis is not None:
             kwargs["axis"] = tuple(self.axis) if len(self.axis) > 1 else self.axis[0]
         if self.block_size is not None:
@@ -241,6 +246,22 @@ class Int8ReduceRangeConfig(QuantConfig):
 
 
 @dataclass
+class Int8OnnxruntimeConfig(QuantConfig):
+    """INT8 on onnxruntime's CPU kernels' own grids: asymmetric uint8 activations, 7-bit per-channel weights.
+
+    Activations: one scale and zero point per tensor from calibration (the data's min and max, each clipped by
+    the method's amax), all 256 levels, stored as uint8: what onnxruntime's ``quantize_static`` writes, so the
+    file needs no clamping op (a ReLU's output gets zero point 0 and the ReLU fuses away). Weights: symmetric
+    7-bit per output channel (``|q| <= 63``): every u8 x s8 pair fits the int16 that the kernels of CPUs without
+    VNNI add in, so one file is exact on every x86 CPU. LSTMs as onnxruntime's ``DynamicQuantizeLSTM``.
+    """
+
+    input: QuantizerConfig = field(default_factory=lambda: QuantizerConfig(asymmetric=True, narrow_range=False))
+    weight: QuantizerConfig = field(default_factory=lambda: QuantizerConfig(num_bits=7, axis=[0]))
+    recurrent: str = "dynamic"
+
+
+@dataclass
 class FP8Config(QuantConfig):
     """FP8 E4M3 inputs (per tensor) and weights (per channel)."""
 
@@ -269,6 +290,7 @@ RECIPES = {
     "int8_per_tensor": Int8PerTensorConfig,
     "int8_per_channel": Int8PerChannelConfig,
     "int8_reduce_range": Int8ReduceRangeConfig,
+    "int8_onnxruntime": Int8OnnxruntimeConfig,
     "fp8": FP8Config,
     "int4_block_weight": Int4BlockWeightConfig,
 }

@@ -625,7 +625,7 @@ def quantize_model(
 
 def _unsigned_desc(d):
     """``d`` on the unsigned grid, where that is an 8-bit integer per-tensor quantizer (else ``d``)."""
-    if d is None or d.is_fp8 or d.unsigned or d.num_bits != 8 or d.axis is not None or d.block_sizes:
+    if d is None or d.is_fp8 or d.unsigned or d.asymmetric or d.num_bits != 8 or d.axis is not None or d.block_sizes:
         return d
     return type(d)(**{**d.dict(), "unsigned": True})
 

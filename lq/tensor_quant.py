@@ -54,6 +54,18 @@ _BLOCK_KEYS = ("type", "scale_bits", "scale_block_sizes")
 
 
 # =========================================================================== descriptor
+def _check_asymmetric(d) -> None:
+    """An affine grid is one scale and zero point for a whole tensor, on integers, from calibration."""
+    bad = [(d._axis is not None or d._block_sizes is not None, "axis=None and no block_sizes (per tensor)"),
+           (d._num_bits == FP8_E4M3, "integer num_bits, not FP8"),
+           (d._unsigned, "unsigned=False (the zero point already places the range)"),
+           (d._learn_amax, "learn_amax=False (a learned range needs the symmetric grid)"),
+           (d._dynamic, "dynamic=False (the range is calibrated)")]
+    for wrong, allowed in bad:
+        if wrong:
+            raise ValueError(f"asymmetric=True is not allowed with this descriptor: it needs {allowed}")
+
+
 def _check_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
@@ -175,6 +187,9 @@ class ScaledQuantDescriptor:
         unsigned: unsigned integer range ``[0, 2^num_bits - 1]``.
         narrow_range: signed range ``[-(2^(b-1) - 1), 2^(b-1) - 1]`` instead of ``[-2^(b-1), ...]``.
         dynamic: compute amax from every input instead of calibrating.
+        asymmetric: (lq) calibrate an affine range ``[min, max]`` with a zero point from the data, on the full
+            ``2^num_bits``-level grid (onnxruntime's uint8 activations); per tensor, integer, not learned.
+            The calibration method's amax clips the observed range on both sides.
 
     Raises:
         TypeError / ValueError naming the argument and the allowed values.
@@ -193,6 +208,7 @@ class ScaledQuantDescriptor:
         "unsigned": False,
         "narrow_range": False,
         "dynamic": False,
+        "asymmetric": False,
     }
 
     def __init__(self, num_bits=8, name=None, **kwargs):
@@ -228,6 +244,9 @@ class ScaledQuantDescriptor:
         self._calib_method = calib_method
         self._narrow_range = _check_bool("narrow_range", kwargs.get("narrow_range", False))
         self._dynamic = _check_bool("dynamic", kwargs.get("dynamic", False))
+        self._asymmetric = _check_bool("asymmetric", kwargs.get("asymmetric", False))
+        if self._asymmetric:
+            _check_asymmetric(self)
         if self._unsigned and self._num_bits == FP8_E4M3:
             raise ValueError("unsigned=True is not allowed with FP8 num_bits=(4, 3)")
         if self._fake_quant is False and self._num_bits == FP8_E4M3:
@@ -246,6 +265,7 @@ class ScaledQuantDescriptor:
     calib_method = property(lambda self: self._calib_method)
     unsigned = property(lambda self: self._unsigned)
     narrow_range = property(lambda self: self._narrow_range)
+    asymmetric = property(lambda self: self._asymmetric, doc="Affine range calibrated from the data (lq).")
 
     @property
     def dynamic(self) -> bool:

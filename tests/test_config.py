@@ -59,8 +59,13 @@ def test_recipes():
     r = C.Int4BlockWeightConfig()
     assert not r.input.enabled and r.weight.num_bits == 4 and r.weight.block_size == 32
     assert C.Int8ReduceRangeConfig().weight.num_bits == 7 and C.Int8ReduceRangeConfig().weight.axis == [0]
-    assert set(C.RECIPES) == {"int8_per_tensor", "int8_per_channel", "int8_reduce_range", "fp8",
+    ort = C.Int8OnnxruntimeConfig()
+    assert ort.input.asymmetric and not ort.input.narrow_range and ort.weight.num_bits == 7
+    assert ort.input.to_descriptor().asymmetric and not ort.weight.to_descriptor().asymmetric
+    assert set(C.RECIPES) == {"int8_per_tensor", "int8_per_channel", "int8_reduce_range", "int8_onnxruntime", "fp8",
                                "int4_block_weight"}
+    with pytest.raises(ValueError, match="asymmetric=True is not allowed.*per tensor"):
+        C.QuantizerConfig(asymmetric=True, axis=[0])
 
 
 def test_overrides_and_globs():

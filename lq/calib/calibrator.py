@@ -126,6 +126,30 @@ class _Calibrator:
         """How many NaN/Inf values were skipped so far (in this process)."""
         return self._nonfinite_total
 
+    # ------------------------------------------------------------------ the signed range (asymmetric quantizers)
+    def _track_range(self) -> None:
+        """Also keep the signed min and max of per-tensor data (subclasses call this in ``__init__``): an
+        asymmetric quantizer clips that range with the method's amax (:meth:`compute_range`)."""
+        self.add_state("_range_min", None, "min")
+        self.add_state("_range_max", None, "max")
+
+    def _note_range(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        lo, hi = lo.detach().float().reshape(()), hi.detach().float().reshape(())
+        if self._range_min is None:
+            self._range_min, self._range_max = lo, hi
+        else:
+            dev = self._range_min.device
+            self._range_min = torch.minimum(self._range_min, lo.to(dev))
+            self._range_max = torch.maximum(self._range_max, hi.to(dev))
+
+    def compute_range(self):
+        """``(min_range, max_range)`` of the finite data seen, widened to hold 0 (float32 scalars); None when
+        this calibrator keeps no signed range (per channel, blocks) or saw no data."""
+        lo, hi = getattr(self, "_range_min", None), getattr(self, "_range_max", None)
+        if lo is None:
+            return None
+        return torch.minimum(lo, torch.zeros_like(lo)).clone(), torch.maximum(hi, torch.zeros_like(hi)).clone()
+
     # ------------------------------------------------------------------ helpers for subclasses
     @staticmethod
     def _check_method(method, kwargs, allowed=METHODS) -> None:
@@ -224,11 +248,11 @@ class _Calibrator:
             raise ValueError(
                 f"{type(self).__name__} state_dict has settings {state.get('config')}, this calibrator {self._config()}"
             )
-        missing = [n for n in self._state_specs if n not in state]
+        missing = [n for n in self._state_specs if n not in state and not n.startswith("_range_")]
         if missing:
             raise KeyError(f"{type(self).__name__} state_dict lacks {missing}")
-        for name in self._state_specs:
-            setattr(self, name, _detach(state[name]))
+        for name in self._state_specs:  # a state_dict from before the signed range has none: None
+            setattr(self, name, _detach(state.get(name)))
         self._nonfinite_total = int(state.get("nonfinite_total", 0))
 
     def __repr__(self) -> str:
@@ -237,6 +261,30 @@ class _Calibrator:
 
 
 # ---------------------------------------------------------------------- helpers
+def finite_minmax(x: torch.Tensor, dims: tuple[int, ...], shape: list[int]):
+    """``(min, max, nonfinite_count)`` of ``x`` over ``dims`` (float32, reshaped to ``shape``), NaN/Inf skipped.
+
+    One reduction pass for finite data; only a batch holding NaN/Inf takes a second, masked pass. A channel
+    with no finite value gets ``(0, 0)``.
+    """
+    if len(dims) == x.dim():
+        lo, hi = torch.aminmax(x)
+    else:
+        lo, hi = x.amin(dim=dims), x.amax(dim=dims)
+    lo, hi = lo.float(), hi.float()
+    count = 0
+    if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())):
+        finite = torch.isfinite(x)
+        count = int((~finite).sum())
+        big = torch.finfo(x.dtype).max
+        lo = torch.where(finite, x, torch.full((), big, dtype=x.dtype, device=x.device)).amin(dim=dims).float()
+        hi = torch.where(finite, x, torch.full((), -big, dtype=x.dtype, device=x.device)).amax(dim=dims).float()
+        none = lo > hi
+        lo = torch.where(none, torch.zeros_like(lo), lo)
+        hi = torch.where(none, torch.zeros_like(hi), hi)
+    return lo.reshape(shape), hi.reshape(shape), count
+
+
 def _detach(v):
     if isinstance(v, torch.Tensor):
         return v.detach().clone()

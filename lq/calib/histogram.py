@@ -36,7 +36,7 @@ import torch
 from lq import _checks
 from lq.calib._grid import bins_needed, coarsen, holds, kernel_bins, onto, pad, rebin, regrid, start_width
 from lq.calib._search import compute_amax_entropy, compute_amax_mse, compute_amax_percentile, serial_cpu
-from lq.calib.calibrator import _Calibrator, _comm_device, _gather_objects
+from lq.calib.calibrator import _Calibrator, _comm_device, _gather_objects, finite_minmax
 
 __all__ = [
     "HistogramCalibrator",
@@ -89,6 +89,8 @@ class HistogramCalibrator(_Calibrator):
         self.add_state("_nbins", None, "custom")  # int64 (C,): bins in use per row
         self.add_state("_absmax", None, "custom")  # float32 (C,), finite absmax
         self.add_state("_amax_shape", None, "custom")  # broadcast shape of the amax
+        if self._axis is None:
+            self._track_range()  # the signed range an asymmetric quantizer clips with the method's amax
 
     def _config(self) -> dict:
         cfg = super()._config()
@@ -189,6 +191,9 @@ class HistogramCalibrator(_Calibrator):
         x = self._input(x)
         if x.numel() == 0:
             return
+        if self._axis is None:
+            lo, hi, _ = finite_minmax(x, tuple(range(x.dim())), [])
+            self._note_range(lo, hi)
         xc, axis, shape = self._channel_view(x)
         C = 1 if axis is None else xc.shape[axis]
         if self._counts is None:

@@ -4,33 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from lq.calib.calibrator import _Calibrator
+from lq.calib.calibrator import _Calibrator, finite_minmax
 
 __all__ = ["MaxCalibrator"]
 
 
 def finite_absmax(x: torch.Tensor, dims: tuple[int, ...], shape: list[int]):
-    """``(absmax, nonfinite_count)`` of ``x`` over ``dims``, reshaped to ``shape`` (float32).
-
-    One reduction pass for finite data (``aminmax`` per tensor, ``amax``/``amin``
-    per channel: no temporaries); only a batch holding NaN/Inf takes a second,
-    masked pass that skips them.
-    """
+    """``(absmax, nonfinite_count)`` of ``x`` over ``dims``, reshaped to ``shape`` (float32), NaN/Inf skipped
+    (:func:`~lq.calib.calibrator.finite_minmax`: one reduction pass for finite data)."""
     if x.numel() == 0:
         return None, 0
-    if len(dims) == x.dim():
-        lo, hi = torch.aminmax(x)
-    else:
-        hi = x.amax(dim=dims)
-        lo = x.amin(dim=dims)
-    amax = torch.maximum(hi.float(), -lo.float())
-    if bool(torch.isfinite(amax).all()):
-        return amax.reshape(shape), 0
-    finite = torch.isfinite(x)
-    count = int((~finite).sum())
-    xa = torch.where(finite, x.abs(), torch.zeros((), dtype=x.dtype, device=x.device))
-    amax = xa.amax(dim=dims).float() if dims else xa.float()
-    return amax.reshape(shape), count
+    lo, hi, count = finite_minmax(x, dims, shape)
+    return torch.maximum(hi, -lo), count
 
 
 class MaxCalibrator(_Calibrator):
@@ -57,6 +42,8 @@ class MaxCalibrator(_Calibrator):
         self._block_sizes = block_sizes
         self.add_state("_calib_amax", None, "max")
         self.add_state("_amaxs", [], "cat")
+        if self._axis is None and block_sizes is None:
+            self._track_range()
 
     def _config(self) -> dict:
         cfg = super()._config()
@@ -85,7 +72,12 @@ class MaxCalibrator(_Calibrator):
             xz = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
             return tensor_quant.block_amax(xz, self._block_sizes), int((~finite).sum())
         dims, shape = self._reduce_dims(x)
-        return finite_absmax(x, dims, shape)
+        if x.numel() == 0:
+            return None, 0
+        lo, hi, count = finite_minmax(x, dims, shape)
+        if self._axis is None:
+            self._note_range(lo, hi)
+        return torch.maximum(hi, -lo), count
 
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lq.calib.calibrator import _Calibrator
+from lq.calib.calibrator import _Calibrator, finite_minmax
 
 __all__ = ["MinMaxCalibrator"]
 
@@ -46,22 +46,7 @@ class MinMaxCalibrator(_Calibrator):
 
     def _batch_minmax(self, x):
         dims, shape = self._reduce_dims(x)
-        if len(dims) == x.dim():
-            lo, hi = torch.aminmax(x)
-        else:
-            lo, hi = x.amin(dim=dims), x.amax(dim=dims)
-        lo, hi = lo.float(), hi.float()
-        count = 0
-        if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())):
-            finite = torch.isfinite(x)
-            count = int((~finite).sum())
-            big = torch.finfo(x.dtype).max
-            lo = torch.where(finite, x, torch.full((), big, dtype=x.dtype, device=x.device)).amin(dim=dims).float()
-            hi = torch.where(finite, x, torch.full((), -big, dtype=x.dtype, device=x.device)).amax(dim=dims).float()
-            none = lo > hi  # a channel with no finite value
-            lo = torch.where(none, torch.zeros_like(lo), lo)
-            hi = torch.where(none, torch.zeros_like(hi), hi)
-        return lo.reshape(shape), hi.reshape(shape), count
+        return finite_minmax(x, dims, shape)
 
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:

@@ -32,7 +32,13 @@ class QuantSwap(L.Callback):
         self.summary: Any = None
 
     def _input_cfg(self, cfg):
-        return replace(cfg, learn_amax=True) if self.learn_amax and cfg.enabled and cfg.block_size is None else cfg
+        if not (self.learn_amax and cfg.enabled and cfg.block_size is None):
+            return cfg
+        if cfg.asymmetric:
+            raise ValueError("QATConfig.learn_amax=true needs symmetric input quantizers, and this recipe's are "
+                             "asymmetric (calibrated affine ranges); use learn_amax=false (QAT then trains the "
+                             "weights on the calibrated ranges) or quant=int8_reduce_range")
+        return replace(cfg, learn_amax=True)
 
     def swap(self, model) -> Any:
         """Quantize ``model`` in place per the recipe; returns the conversion summary."""

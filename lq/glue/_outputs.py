@@ -51,8 +51,23 @@ def _reader(node: fx.Node, parent: nn.Module) -> str | None:
     return None
 
 
+#: a BatchNorm right after the conv folds into it in the file, so the quantizer goes on the BatchNorm's output
+#: (``conv -> bn -> Q``, which the export makes ``conv' -> Q``): quantizing the conv's output before a float
+#: BatchNorm would be a different model from the file
+FOLDED_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def _folded_norm(node: fx.Node, parent: nn.Module) -> fx.Node | None:
+    """The BatchNorm call that alone reads ``node`` (the conv's output), else None."""
+    users = list(node.users)
+    if len(users) == 1 and users[0].op == "call_module":
+        if isinstance(parent.get_submodule(users[0].target), FOLDED_NORMS):
+            return users[0]
+    return None
+
+
 def sites_in_graph(parent: nn.Module, prefix: str, graph: fx.Graph, wants) -> list[OutputSite]:
-    """Children of ``parent`` called in ``graph`` whose output a float reader takes."""
+    """Children of ``parent`` called in ``graph`` whose output (or their BatchNorm's) a float reader takes."""
     out = []
     for n in graph.nodes:
         if n.op != "call_module":
@@ -60,19 +75,26 @@ def sites_in_graph(parent: nn.Module, prefix: str, graph: fx.Graph, wants) -> li
         layer = parent.get_submodule(n.target)
         if not wants(layer):
             continue
-        readers = [r for r in (_reader(u, parent) for u in n.users) if r]
-        if readers:
-            out.append(OutputSite(f"{prefix}.{n.target}" if prefix else n.target, layer, readers[0]))
+        norm = _folded_norm(n, parent)
+        at, owner = (norm, parent.get_submodule(norm.target)) if norm is not None else (n, layer)
+        readers = [r for r in (_reader(u, parent) for u in at.users) if r]
+        if readers and not has_output_quantizer(owner):
+            out.append(OutputSite(f"{prefix}.{at.target}" if prefix else at.target, owner, readers[0]))
     return out
 
 
 def sites_in_sequential(seq: nn.Sequential, prefix: str, wants) -> list[OutputSite]:
-    """Consecutive children ``(layer, reader)`` of an ``nn.Sequential``."""
+    """Children ``(layer, reader)`` or ``(layer, BatchNorm, reader)`` in a row of an ``nn.Sequential``
+    (torchvision's ``Conv2dNormActivation`` is one): the quantizer on the last before the reader."""
     items = list(seq._modules.items())
     out = []
-    for (name, layer), (_, nxt) in zip(items, items[1:]):
-        if wants(layer) and isinstance(nxt, FLOAT_READER_MODULES):
-            out.append(OutputSite(f"{prefix}.{name}" if prefix else name, layer, type(nxt).__name__))
+    for i, (name, layer) in enumerate(items):
+        if not wants(layer):
+            continue
+        j = i + 1 if i + 1 < len(items) and isinstance(items[i + 1][1], FOLDED_NORMS) else i
+        at_name, owner = items[j]
+        if j + 1 < len(items) and isinstance(items[j + 1][1], FLOAT_READER_MODULES) and not has_output_quantizer(owner):
+            out.append(OutputSite(f"{prefix}.{at_name}" if prefix else at_name, owner, type(items[j + 1][1]).__name__))
     return out
 
 

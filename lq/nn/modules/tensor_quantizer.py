@@ -167,6 +167,7 @@ class TensorQuantizer(nn.Module):
         self._unsigned = quant_desc.unsigned
         self._narrow_range = quant_desc.narrow_range
         self._dynamic = quant_desc.dynamic
+        self._asymmetric = quant_desc.asymmetric
         self._name = quant_desc.name
 
         if self._learn_amax and self._block_sizes is not None:
@@ -294,6 +295,12 @@ class TensorQuantizer(nn.Module):
         return not self._disabled
 
     @property
+    def asymmetric(self) -> bool:
+        """True when calibration gives this quantizer an affine range (descriptor ``asymmetric``): the signed
+        range its calibrator saw, clipped on both sides by the method's amax."""
+        return self._asymmetric
+
+    @property
     def is_affine(self) -> bool:
         """True when the quantizer holds an affine range (``_min_range`` / ``_max_range``)."""
         return self._min_range is not None
@@ -353,6 +360,17 @@ class TensorQuantizer(nn.Module):
             self._max_range = None
             return
         self._set_amax(value, allow_reshape=False)
+        if self._asymmetric:
+            self._range_from_amax()
+
+    def _range_from_amax(self) -> None:
+        """The affine range of an asymmetric quantizer: the calibrator's signed range (``[-amax, amax]`` when
+        it kept none) clipped to ``[-amax, amax]``; amax then holds the larger end, as for any affine range."""
+        amax = self._amax.detach().reshape(())
+        seen = self._calibrator.compute_range() if self._calibrator is not None else None
+        lo, hi = (-amax, amax) if seen is None else (torch.maximum(seen[0].to(amax.device), -amax),
+                                                     torch.minimum(seen[1].to(amax.device), amax))
+        self.set_range(lo, hi)
 
     def _set_amax(self, value, allow_reshape: bool) -> None:
         t = _to_amax_tensor(value, self._amax.device if self._amax is not None else self._device)
@@ -523,6 +541,8 @@ class TensorQuantizer(nn.Module):
         if amax is None:  # pragma: no cover - has_data said otherwise
             raise RuntimeError(f"{self.name}: calibrator returned no amax")
         self._set_amax(amax, allow_reshape=True)
+        if self._asymmetric:
+            self._range_from_amax()
 
     def init_learn_amax(self) -> None:
         """Start amax learning from the current (calibrated) amax."""

@@ -1,0 +1,210 @@
+"""The asymmetric activation grid (``QuantizerConfig.asymmetric``) and the ``int8_onnxruntime`` recipe.
+
+References are independent of lq's affine code: the data's own min/max, a symmetric quantizer calibrated the
+same way (its amax is the clip), ``torch.fake_quantize_per_tensor_affine`` on the uint8 grid for the values,
+and onnxruntime running the exported file.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from lq.calib import HistogramCalibrator, MaxCalibrator
+from lq.calibration import calibrate_model
+from lq.callbacks.swap import QuantSwap
+from lq.config import RECIPES, Int8OnnxruntimeConfig, QuantizerConfig
+from lq.nn import TensorQuantizer
+from lq.tensor_quant import QuantDescriptor
+
+torch.set_flush_denormal(True)
+
+
+def _skewed(n=4096, seed=0):
+    """A HardSwish-like tensor: a long positive tail, a short negative one."""
+    g = torch.Generator().manual_seed(seed)
+    return nn.functional.hardswish(torch.randn(n, generator=g) * 3)
+
+
+def _uint8_reference(x, lo, hi):
+    """The uint8 affine grid of ``[lo, hi]`` (onnxruntime's activations), by torch's own op."""
+    scale = float(hi - lo) / 255
+    zp = int(round(-float(lo) / scale))
+    return torch.fake_quantize_per_tensor_affine(x, scale, zp, 0, 255)
+
+
+def _calibrated(desc, x, calibrator, method=None, **kw):
+    q = TensorQuantizer(desc, calibrator=calibrator)
+    q.disable_quant()
+    q.enable_calib()
+    for part in x.split(1000):
+        q(part)
+    q.disable_calib()
+    q.enable_quant()
+    q.load_calib_amax(method, **kw)
+    return q
+
+
+@pytest.mark.parametrize("cls", [MaxCalibrator, HistogramCalibrator])
+def test_calibrators_keep_the_signed_range_and_merge_it(cls):
+    a, b = _skewed(seed=1), _skewed(seed=2) - 0.2
+    one, two, both = cls(), cls(), cls()
+    one.collect(a)
+    two.collect(b)
+    both.collect(a)
+    both.collect(b)
+    lo, hi = one.merge(two).compute_range()
+    assert float(lo) == float(torch.cat([a, b]).min()) and float(hi) == float(torch.cat([a, b]).max())
+    assert [float(v) for v in both.compute_range()] == [float(lo), float(hi)]
+    fresh = cls()
+    fresh.load_state_dict(both.state_dict())
+    assert [float(v) for v in fresh.compute_range()] == [float(lo), float(hi)]
+    old = {k: v for k, v in both.state_dict().items() if not k.startswith("_range_")}  # saved before the range
+    fresh.load_state_dict(old)
+    assert fresh.compute_range() is None
+
+
+def test_per_channel_calibrators_keep_no_signed_range():
+    c = MaxCalibrator(axis=0)
+    c.collect(torch.randn(4, 8))
+    assert c.compute_range() is None
+
+
+@pytest.mark.parametrize("method,kw", [("max", {}), ("percentile", {"percentile": 99.0}), ("mse", {}),
+                                       ("entropy", {})])
+def test_the_range_is_the_data_clipped_by_the_methods_amax(method, kw):
+    x = _skewed()
+    symmetric = _calibrated(QuantDescriptor(), x, "histogram", method, **kw)
+    q = _calibrated(QuantDescriptor(asymmetric=True), x, "histogram", method, **kw)
+    amax = float(symmetric.amax)
+    assert float(q.min_range) == pytest.approx(max(float(x.min()), -amax))
+    assert float(q.max_range) == pytest.approx(min(float(x.max()), amax))
+    assert float(q.min_range) > -0.4  # the short negative tail keeps its own end: no half-empty grid
+    with torch.no_grad():
+        torch.testing.assert_close(q(x), _uint8_reference(x, q.min_range, q.max_range), rtol=0, atol=0)
+
+
+def test_setting_amax_moves_the_range_and_the_grid_beats_the_symmetric_one():
+    x = _skewed()
+    q = _calibrated(QuantDescriptor(asymmetric=True), x, "max")
+    sym = _calibrated(QuantDescriptor(), x, "max")
+    with torch.no_grad():
+        assert (q(x) - x).pow(2).mean() < 0.5 * (sym(x) - x).pow(2).mean()  # twice the levels on the data
+    q.amax = 2.0
+    assert float(q.min_range) == pytest.approx(float(x.min())) and float(q.max_range) == 2.0
+    q.amax = None
+    assert q.min_range is None
+
+
+def test_asymmetric_refuses_what_an_affine_grid_cannot_be():
+    for bad in ({"axis": 0}, {"unsigned": True}, {"learn_amax": True}, {"num_bits": (4, 3)}):
+        with pytest.raises(ValueError, match="asymmetric=True is not allowed"):
+            QuantDescriptor(asymmetric=True, **bad)
+    with pytest.raises(ValueError, match="asymmetric"):
+        QuantizerConfig(asymmetric=True, block_size=32)
+
+
+class HardSwishNet(nn.Module):
+    """Blocks as ``nn.Sequential(conv, bn, act)`` (torchvision's Conv2dNormActivation), ReLU and HardSwish."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(4, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.mid = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.Hardswish())
+        self.out = nn.Sequential(nn.Conv2d(c, c, 1, bias=False), nn.BatchNorm2d(c), nn.Hardswish())
+        self.fc = nn.Linear(c, 10)
+
+    def forward(self, x):
+        return self.fc(self.out(self.mid(self.stem(x))).mean((2, 3)))
+
+
+def _trained_bn(m, x):
+    """BatchNorm statistics of real activations (the file folds them)."""
+    m.train()
+    with torch.no_grad():
+        for _ in range(3):
+            m(x)
+    return m.eval()
+
+
+def test_sequential_conv_bn_act_gets_its_output_quantizer_on_the_batchnorm():
+    torch.manual_seed(0)
+    m = HardSwishNet()
+    QuantSwap(Int8OnnxruntimeConfig()).swap(m)
+    assert hasattr(m.mid[1], "_output_quantizer") and hasattr(m.out[1], "_output_quantizer")
+    assert not hasattr(m.mid[0], "_output_quantizer")  # not between the conv and its BatchNorm
+    assert not hasattr(m.stem[1], "_output_quantizer")  # ReLU: the next layer's input quantizer moves across it
+    from lq.convert import dequantize_model
+
+    dequantize_model(m)
+    assert not hasattr(m.mid[1], "_output_quantizer") and not m.mid[1]._forward_hooks
+
+
+def test_int8_onnxruntime_file_has_uint8_zero_points_no_clamp_and_equals_pytorch(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from lq.export import export_onnx, optimized_op_counts
+
+    from _export_checks import assert_file_matches_pytorch
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4, 12, 12)
+    m = _trained_bn(HardSwishNet(), x)
+    QuantSwap(RECIPES["int8_onnxruntime"]()).swap(m)
+    with torch.no_grad():
+        calibrate_model(m, list(x[:48].split(16)), method="max")
+    res = export_onnx(m, x[:8], str(tmp_path / "m.onnx"))
+    assert_file_matches_pytorch(m, res, x[48:])
+    g = onnx.load(res.path).graph
+    consts = {t.name: onnx.numpy_helper.to_array(t) for t in g.initializer}
+    zps = [consts[n.input[2]] for n in g.node if n.op_type == "QuantizeLinear"]
+    assert zps and all(z.dtype == np.uint8 for z in zps)
+    assert any(int(z) not in (0, 128) for z in zps)  # a zero point from the data (HardSwish's short negative tail)
+    ops = optimized_op_counts(res.path)
+    assert "Max" not in ops and "Relu" not in ops, ops  # full range: no clamp; ReLU's grid starts at 0
+    kernels = {(k.layer, k.op): k.kernel for k in res.layer_kernels}
+    assert kernels[("mid.0", "Conv")] == "QLinearConv" and kernels[("out.0", "Conv")] == "QLinearConv", kernels
+
+
+def test_the_recipe_is_int16_safe_without_reencoding(tmp_path):
+    """7-bit weights x full-range uint8 activations: every pair of products fits int16 (the file's own check), so
+    the weights stay int8 (u8 x s8 kernels) instead of being re-encoded as uint8."""
+    pytest.importorskip("onnxruntime")
+    from lq.export import export_onnx
+    from lq.export._int16 import int16_risks
+
+    torch.manual_seed(1)
+    x = torch.randn(32, 4, 12, 12) * 4
+    m = _trained_bn(HardSwishNet(), x)
+    QuantSwap(Int8OnnxruntimeConfig()).swap(m)
+    with torch.no_grad():
+        calibrate_model(m, [x], method="max")
+    res = export_onnx(m, x[:4], str(tmp_path / "m.onnx"))
+    model = onnx.load(res.path)
+    assert int16_risks(model) == []
+    consts = {t.name: t.data_type for t in model.graph.initializer}
+    weights = [n.input[0] for n in model.graph.node
+               if n.op_type == "DequantizeLinear" and n.input[0] in consts and "bias" not in n.input[0]]
+    assert weights and all(consts[w] == onnx.TensorProto.INT8 for w in weights)
+
+
+def test_hydra_and_copies_keep_the_recipe():
+    from test_config import _compose
+
+    cfg = _compose(["quant=int8_onnxruntime"])
+    assert cfg.quant.input.asymmetric is True and cfg.quant.weight.num_bits == 7
+    q = TensorQuantizer(Int8OnnxruntimeConfig().input.to_descriptor(), calibrator="max")
+    q2 = copy.deepcopy(q)
+    assert q2.asymmetric
+
+
+def test_learned_amax_with_an_asymmetric_recipe_is_refused_by_name():
+    from lq.callbacks import QuantCallback
+    from lq.config import QATConfig
+
+    with pytest.raises(ValueError, match="learn_amax=true needs symmetric input quantizers"):
+        QuantCallback(quant="int8_onnxruntime", qat=QATConfig(learn_amax=True)).swap.swap(HardSwishNet())
