@@ -27,14 +27,14 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from lq import _reference
+from lq._float64 import ops_for
 from lq.config import BLOCK_METHODS
 #: the smallest fraction of a block's max the MSE search tries, and how many fractions up to 1
 MIN_SHRINK, SHRINK_STEPS = 0.5, 21
 #: AWQ's exponents alpha (0 = no scaling)
 ALPHAS = tuple(i / 10 for i in range(11))
-#: calibration rows (tokens) per layer that AWQ's output error is measured on
-MAX_ROWS = 2048
+#: calibration rows (tokens) per layer that AWQ's output error is measured on (spread over the batches)
+MAX_ROWS, ROWS_PER_BATCH = 512, 128
 
 
 @dataclasses.dataclass
@@ -70,8 +70,8 @@ def _block_size(m: nn.Module) -> int:
 
 
 def _fake_quant(wb: torch.Tensor, amax: torch.Tensor, tq) -> torch.Tensor:
-    """``wb`` (N, K / B, B) fake-quantized with block amax (N, K / B) as the model's quantizer does."""
-    return _reference.fake_quant(wb, amax.unsqueeze(-1), tq.num_bits, tq.unsigned, tq.narrow_range)
+    """``wb`` (N, K / B, B) fake-quantized with block amax (N, K / B) as the model's quantizer does (its kernel)."""
+    return ops_for(wb).fake_quant(wb, amax.unsqueeze(-1).contiguous(), tq.num_bits, tq.unsigned, tq.narrow_range)
 
 
 def mse_block_amax(w: torch.Tensor, block: int, tq) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,8 +123,8 @@ class _Rows:
         x = args[0].detach().float().reshape(-1, args[0].shape[-1]).cpu()
         self.abs_sum += x.abs().sum(0, dtype=torch.float64)
         self.count += x.shape[0]
-        if self.kept < MAX_ROWS:
-            take = x[: MAX_ROWS - self.kept]
+        if self.kept < MAX_ROWS:  # rows spread over each batch, and over the first batches
+            take = x[:: max(1, x.shape[0] // ROWS_PER_BATCH)][: min(ROWS_PER_BATCH, MAX_ROWS - self.kept)]
             self.rows.append(take.clone())
             self.kept += take.shape[0]
 
@@ -182,18 +182,24 @@ def _awq_layer(name: str, m: nn.Module, st: _Rows) -> BlockChoice:
         xs = x if inv is None else x * inv
         return float(((xs @ wq.T - ref) ** 2).mean())
 
-    top = w.reshape(n, k // block, block).abs().amax(-1)
-    rtn = output_error(w, None, top)
-    best = (rtn, 0.0, None, w, top)
-    for alpha in ALPHAS:
+    def block_max(ws: torch.Tensor) -> torch.Tensor:
+        return ws.reshape(n, k // block, block).abs().amax(-1)
+
+    rtn = output_error(w, None, block_max(w))
+    best = (rtn, 0.0, None, w, block_max(w))
+    for alpha in ALPHAS[1:]:  # alpha on round-to-nearest blocks (cheap), then the MSE blocks for the best one
         s = mag**alpha
         s = s / (s.max() * s.min()).sqrt()
         inv = (1.0 / s).float()
         ws = w * s
-        amax, _ = mse_block_amax(ws, block, tq)
-        err = output_error(ws, inv if alpha else None, amax)
+        err = output_error(ws, inv, block_max(ws))
         if err < best[0]:
-            best = (err, alpha, inv if alpha else None, ws, amax)
+            best = (err, alpha, inv, ws, block_max(ws))
+    _, alpha, inv, ws, _ = best
+    amax, _ = mse_block_amax(ws, block, tq)
+    err = output_error(ws, inv, amax)
+    if err < best[0]:
+        best = (err, alpha, inv, ws, amax)
     err, alpha, inv, ws, amax = best
     with torch.no_grad():
         m.weight.copy_(ws.to(m.weight.dtype))
