@@ -146,6 +146,9 @@ class QuantConfig:
         unsigned_after_relu: 8-bit input quantizers that only see a ReLU's output use the unsigned grid
             ``[0, 255]`` (twice the steps; onnxruntime drops the ReLU). onnxruntime only (TensorRT takes
             int8): on in :class:`Int8ReduceRangeConfig`.
+        activations: also quantize ``nn.SiLU`` and ``nn.Hardswish`` as ``x * gate(x)`` with ``x`` and the gate
+            quantized (:mod:`lq.nn.modules.quant_activation`): onnxruntime then runs QLinearSigmoid/QLinearMul
+            instead of a float activation between a DequantizeLinear and a QuantizeLinear.
         recurrent: how ``nn.LSTM`` layers quantize their activations: ``"scan"`` (their input quantizers,
             calibrated; exported as an ONNX Scan loop, any runtime) or ``"dynamic"`` (onnxruntime's fused
             ``DynamicQuantizeLSTM``: each layer's input and every step's h quantized from themselves, the
@@ -160,12 +163,13 @@ class QuantConfig:
     types: Optional[List[str]] = None
     glue: bool = True
     unsigned_after_relu: bool = False
+    activations: bool = False
     recurrent: str = "scan"
 
     def __post_init__(self):
         owner = type(self).__name__
         _choice(owner, "recurrent", self.recurrent, RECURRENT_MODES)
-        for flag in ("glue", "unsigned_after_relu"):
+        for flag in ("glue", "unsigned_after_relu", "activations"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{owner}.{flag}={getattr(self, flag)!r} is not allowed: expected true or false")
         if self.types is not None:
@@ -251,13 +255,15 @@ class Int8OnnxruntimeConfig(QuantConfig):
 
     Activations: one scale and zero point per tensor from calibration (the data's min and max, each clipped by
     the method's amax), all 256 levels, stored as uint8: what onnxruntime's ``quantize_static`` writes, so the
-    file needs no clamping op (a ReLU's output gets zero point 0 and the ReLU fuses away). Weights: symmetric
+    file needs no clamping op (a ReLU's output gets zero point 0 and the ReLU fuses away); SiLU and HardSwish
+    quantize their gate too (``activations``), so their products run as QLinearMul. Weights: symmetric
     7-bit per output channel (``|q| <= 63``): every u8 x s8 pair fits the int16 that the kernels of CPUs without
     VNNI add in, so one file is exact on every x86 CPU. LSTMs as onnxruntime's ``DynamicQuantizeLSTM``.
     """
 
     input: QuantizerConfig = field(default_factory=lambda: QuantizerConfig(asymmetric=True, narrow_range=False))
     weight: QuantizerConfig = field(default_factory=lambda: QuantizerConfig(num_bits=7, axis=[0]))
+    activations: bool = True
     recurrent: str = "dynamic"
 
 

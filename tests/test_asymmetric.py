@@ -135,7 +135,7 @@ def _trained_bn(m, x):
 def test_sequential_conv_bn_act_gets_its_output_quantizer_on_the_batchnorm():
     torch.manual_seed(0)
     m = HardSwishNet()
-    QuantSwap(Int8OnnxruntimeConfig()).swap(m)
+    QuantSwap(Int8OnnxruntimeConfig(activations=False)).swap(m)
     assert hasattr(m.mid[1], "_output_quantizer") and hasattr(m.out[1], "_output_quantizer")
     assert not hasattr(m.mid[0], "_output_quantizer")  # not between the conv and its BatchNorm
     assert not hasattr(m.stem[1], "_output_quantizer")  # ReLU: the next layer's input quantizer moves across it
@@ -208,3 +208,66 @@ def test_learned_amax_with_an_asymmetric_recipe_is_refused_by_name():
 
     with pytest.raises(ValueError, match="learn_amax=true needs symmetric input quantizers"):
         QuantCallback(quant="int8_onnxruntime", qat=QATConfig(learn_amax=True)).swap.swap(HardSwishNet())
+
+
+class SiLUNet(nn.Module):
+    """EfficientNet's MBConv pattern in miniature: conv -> bn -> SiLU (a traced forward, not a Sequential)."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.conv1, self.bn1, self.act1 = nn.Conv2d(4, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.SiLU()
+        self.conv2, self.bn2, self.act2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.Hardswish()
+        self.head = nn.Conv2d(c, 10, 1)
+
+    def forward(self, x):
+        h = self.act1(self.bn1(self.conv1(x)))
+        return self.head(self.act2(self.bn2(self.conv2(h)))).mean((2, 3))
+
+
+def test_gated_activations_quantize_input_and_gate_like_a_hand_written_reference():
+    from lq.nn.modules.quant_activation import QuantHardswish, QuantSiLU
+    from lq.tensor_quant import fake_tensor_quant
+
+    torch.manual_seed(0)
+    x = torch.randn(256) * 3
+    for cls, gate in ((QuantSiLU, torch.sigmoid), (QuantHardswish, nn.functional.hardsigmoid)):
+        m = cls.from_float(cls._float_module(), quant_desc_input=QuantDescriptor(amax=4.0))
+        m._gate_quantizer.amax = 1.0
+        xq = fake_tensor_quant(x, torch.tensor(4.0), 8, False, False)
+        want = xq * fake_tensor_quant(gate(xq), torch.tensor(1.0), 8, True, False)  # the gate on [0, 255]
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), want, rtol=0, atol=0)
+        assert type(m.to_float()) is cls._float_module
+
+
+def test_the_recipe_swaps_silu_and_hardswish_only_when_it_quantizes_activations():
+    from lq.nn.modules.quant_activation import QuantHardswish, QuantSiLU
+
+    on, off = SiLUNet(), SiLUNet()
+    QuantSwap(Int8OnnxruntimeConfig()).swap(on)
+    QuantSwap(Int8OnnxruntimeConfig(activations=False)).swap(off)
+    assert isinstance(on.act1, QuantSiLU) and isinstance(on.act2, QuantHardswish)
+    assert not hasattr(on.bn1, "_output_quantizer")  # the SiLU's own input quantizer is the BatchNorm's output's
+    assert type(off.act1) is nn.SiLU and hasattr(off.bn1, "_output_quantizer")
+    assert on.act1._gate_quantizer.asymmetric
+
+
+def test_silu_and_hardswish_run_integer_sigmoid_and_mul_in_the_file(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from lq.export import export_onnx, optimized_op_counts
+
+    from _export_checks import assert_file_matches_pytorch
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4, 12, 12)
+    m = _trained_bn(SiLUNet(), x)
+    QuantSwap(Int8OnnxruntimeConfig()).swap(m)
+    with torch.no_grad():
+        calibrate_model(m, list(x[:48].split(16)), method="max")
+    res = export_onnx(m, x[:8], str(tmp_path / "m.onnx"))
+    assert_file_matches_pytorch(m, res, x[48:])
+    ops = optimized_op_counts(res.path)
+    assert ops.get("QLinearSigmoid") == 1 and ops.get("QLinearMul") == 2, ops
+    assert "Sigmoid" not in ops and "QuickGelu" not in ops and "Mul" not in ops, ops
+    kernels = {(k.layer, k.op): k.kernel for k in res.layer_kernels}
+    assert kernels[("conv1", "Conv")] == "QLinearConv" and kernels[("conv2", "Conv")] == "QLinearConv", kernels

@@ -71,22 +71,25 @@ class QuantSwap(L.Callback):
         return summary
 
     def _type_map(self):
-        """The float classes the recipe's ``types`` names (None: all of lq's)."""
+        """The float classes the recipe quantizes: ``types`` by name (None: all of lq's layers), plus SiLU and
+        HardSwish when the recipe quantizes ``activations``."""
         from lq.convert import DEFAULT_TYPE_MAP
+        from lq.nn.modules.quant_activation import ACTIVATION_MODULE_CLASSES
 
+        full = dict(DEFAULT_TYPE_MAP) | (dict(ACTIVATION_MODULE_CLASSES) if self.quant.activations else {})
         if self.quant.types is None:
-            return None
-        by_name = {cls.__name__: cls for cls in DEFAULT_TYPE_MAP}
+            return None if not self.quant.activations else full
+        by_name = {cls.__name__: cls for cls in full}
         unknown = [t for t in self.quant.types if t not in by_name]
         if unknown:
             raise ValueError(f"QuantConfig.types has unknown layer type(s) {unknown}; allowed: {sorted(by_name)}")
-        return [by_name[t] for t in self.quant.types]
+        return {by_name[t]: full[by_name[t]] for t in self.quant.types}
 
     def _check_blocks(self, model, type_map) -> None:
         """Block sizes must divide every selected layer's weight dim: fail before changing anything."""
         from lq.convert import DEFAULT_TYPE_MAP
 
-        kinds = tuple(type_map) if type_map is not None else tuple(DEFAULT_TYPE_MAP)
+        kinds = tuple(type_map) if type_map is not None else tuple(DEFAULT_TYPE_MAP)  # a mapping: its keys
         bad = []
         for name, m in model.named_modules():
             if not name or not isinstance(m, kinds) or not self.quant.selects(name):

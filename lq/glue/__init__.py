@@ -160,7 +160,7 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
             already.append(name)
             continue
         if type(m) is nn.Sequential and selected(name):
-            outputs.update((id(o.layer), o) for o in _outputs.sites_in_sequential(m, name, wants))
+            outputs.update((id(o.layer), o) for o in _outputs.sites_in_sequential(m, name, wants, will_be_quantized))
             continue
         if skip(m) or _is_library(m) or not selected(name):
             continue
@@ -171,7 +171,7 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
             if _may_have_glue(m):
                 refused.setdefault((type(m), why), []).append(name or "the model")
             continue
-        outputs.update((id(o.layer), o) for o in _outputs.sites_in_graph(m, name, graph, wants))
+        outputs.update((id(o.layer), o) for o in _outputs.sites_in_graph(m, name, graph, wants, will_be_quantized))
         sites = find_sites(graph, _tie(m, graph, will_be_quantized), m)
         if sites:
             plans.append(GluePlan(name, m, graph, sites))

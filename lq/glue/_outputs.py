@@ -40,10 +40,19 @@ class OutputSite:
         return f"{self.name}.{ATTR}" if self.name else ATTR
 
 
-def _reader(node: fx.Node, parent: nn.Module) -> str | None:
+def _never(m: nn.Module) -> bool:
+    return False
+
+
+def _float_reader(m: nn.Module, quantized=_never) -> bool:
+    """A float reader module that stays float (a quantized SiLU/HardSwish quantizes its own input)."""
+    return isinstance(m, FLOAT_READER_MODULES) and not quantized(m)
+
+
+def _reader(node: fx.Node, parent: nn.Module, quantized=_never) -> str | None:
     if node.op == "call_module":
         m = parent.get_submodule(node.target)
-        return type(m).__name__ if isinstance(m, FLOAT_READER_MODULES) else None
+        return type(m).__name__ if _float_reader(m, quantized) else None
     if node.op == "call_function" and node.target in FLOAT_READER_FUNCTIONS:
         return getattr(node.target, "__name__", str(node.target))
     if node.op == "call_method" and node.target in FLOAT_READER_METHODS:
@@ -66,7 +75,7 @@ def _folded_norm(node: fx.Node, parent: nn.Module) -> fx.Node | None:
     return None
 
 
-def sites_in_graph(parent: nn.Module, prefix: str, graph: fx.Graph, wants) -> list[OutputSite]:
+def sites_in_graph(parent: nn.Module, prefix: str, graph: fx.Graph, wants, quantized=_never) -> list[OutputSite]:
     """Children of ``parent`` called in ``graph`` whose output (or their BatchNorm's) a float reader takes."""
     out = []
     for n in graph.nodes:
@@ -77,13 +86,13 @@ def sites_in_graph(parent: nn.Module, prefix: str, graph: fx.Graph, wants) -> li
             continue
         norm = _folded_norm(n, parent)
         at, owner = (norm, parent.get_submodule(norm.target)) if norm is not None else (n, layer)
-        readers = [r for r in (_reader(u, parent) for u in at.users) if r]
+        readers = [r for r in (_reader(u, parent, quantized) for u in at.users) if r]
         if readers and not has_output_quantizer(owner):
             out.append(OutputSite(f"{prefix}.{at.target}" if prefix else at.target, owner, readers[0]))
     return out
 
 
-def sites_in_sequential(seq: nn.Sequential, prefix: str, wants) -> list[OutputSite]:
+def sites_in_sequential(seq: nn.Sequential, prefix: str, wants, quantized=_never) -> list[OutputSite]:
     """Children ``(layer, reader)`` or ``(layer, BatchNorm, reader)`` in a row of an ``nn.Sequential``
     (torchvision's ``Conv2dNormActivation`` is one): the quantizer on the last before the reader."""
     items = list(seq._modules.items())
@@ -93,7 +102,7 @@ def sites_in_sequential(seq: nn.Sequential, prefix: str, wants) -> list[OutputSi
             continue
         j = i + 1 if i + 1 < len(items) and isinstance(items[i + 1][1], FOLDED_NORMS) else i
         at_name, owner = items[j]
-        if j + 1 < len(items) and isinstance(items[j + 1][1], FLOAT_READER_MODULES) and not has_output_quantizer(owner):
+        if j + 1 < len(items) and _float_reader(items[j + 1][1], quantized) and not has_output_quantizer(owner):
             out.append(OutputSite(f"{prefix}.{at_name}" if prefix else at_name, owner, type(items[j + 1][1]).__name__))
     return out
 

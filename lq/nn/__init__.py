@@ -58,6 +58,7 @@ from lq.nn.modules.quant_pooling import (
 )
 from lq.nn.modules.quant_rnn import LSTM, LSTMCell, QuantLSTM, QuantLSTMCell
 from lq.nn.modules.clip import Clip
+from lq.nn.modules.quant_activation import QuantHardswish, QuantSiLU
 from lq.nn.modules.tensor_quantizer import (
     AmaxShapeError,
     TensorQuantizer,
@@ -126,4 +127,5 @@ __all__ = [
     "QuantLSTM", "QuantLSTMCell", "LSTM", "LSTMCell",
     "QuantMultiheadAttention", "MultiheadAttention",
     "FloatAdd", "FloatCat", "QuantAdd", "QuantCat", "Add", "Cat",
+    "QuantSiLU", "QuantHardswish",  # swapped only by recipes with QuantConfig.activations (not in the type map)
 ]  # fmt: skip
