@@ -38,6 +38,7 @@ def cuda_kernels():
 
     if not _ext.cuda_buildable():
         pytest.skip("torch has CUDA but the CUDA toolkit (CUDA_HOME) is missing: the CUDA kernels are not built")
+    _ext.load()  # the kernels register when the extension loads (lazily, on the first op otherwise)
     missing = [op for op in _ops.SCHEMAS if not torch._C._dispatch_has_kernel_for_dispatch_key(f"lq::{op}", "CUDA")]
     if missing:
         pytest.fail(f"no CUDA kernel registered for {missing}; extension error: {_ext._STATE.get('error')}")
