@@ -402,6 +402,7 @@ def quantize_model(
     glue: bool = True,
     unsigned_after_relu: bool = False,
     recurrent: str = "scan",
+    activations: bool = False,
 ) -> QuantizationSummary:
     """Replace the float modules of ``model`` by quantized ones, in place.
 
@@ -431,6 +432,11 @@ def quantize_model(
             runtime. ``"dynamic"``: as onnxruntime's fused ``DynamicQuantizeLSTM`` does, from each tensor
             itself (:meth:`lq.nn.QuantLSTM.set_runtime_dynamic`; onnxruntime only, no ``proj_size``): one
             kernel per layer, faster than the loop where the layer is small.
+
+        activations: also quantize ``x * y`` of two activations in the modules' forwards (a squeeze-excite
+            gate, a SiLU written out) like an add, so onnxruntime runs QLinearMul/QLinearSigmoid; part of
+            :class:`lq.config.Int8OnnxruntimeConfig` (``QuantConfig.activations``, which also swaps
+            ``nn.SiLU``/``nn.Hardswish`` through ``type_map``).
 
     Returns:
         a :class:`QuantizationSummary` of the converted, already quantized and excluded layers.
@@ -518,7 +524,8 @@ def quantize_model(
         will_be_quantized = lambda m: isinstance(m, QuantMixin) or id(m) in targets  # noqa: E731
         glue_plans, glue_outputs, glue_already, glue_notes = _glue.plan(
             model, selected=lambda n: _matches(n, include) and not _matches(n, exclude),
-            skip=will_be_quantized, will_be_quantized=will_be_quantized, graphs=graphs)
+            skip=will_be_quantized, will_be_quantized=will_be_quantized, graphs=graphs,
+            optional=frozenset({"mul"}) if activations else frozenset())
         if not glue:
             glue_plans, glue_outputs, glue_already, glue_notes = [], [], [], []
         if unsigned_after_relu:

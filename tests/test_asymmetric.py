@@ -271,3 +271,77 @@ def test_silu_and_hardswish_run_integer_sigmoid_and_mul_in_the_file(tmp_path):
     assert "Sigmoid" not in ops and "QuickGelu" not in ops and "Mul" not in ops, ops
     kernels = {(k.layer, k.op): k.kernel for k in res.layer_kernels}
     assert kernels[("conv1", "Conv")] == "QLinearConv" and kernels[("conv2", "Conv")] == "QLinearConv", kernels
+
+
+class ConvBNAct(nn.Sequential):
+    """torchvision's Conv2dNormActivation shape: an nn.Sequential subclass that keeps Sequential's forward."""
+
+    def __init__(self, i, o, k=1, stride=1, groups=1, act=nn.SiLU):
+        layers = [nn.Conv2d(i, o, k, stride, k // 2, groups=groups, bias=False), nn.BatchNorm2d(o)]
+        super().__init__(*layers + ([act()] if act else []))
+
+
+class SE(nn.Module):
+    def __init__(self, c, s):
+        super().__init__()
+        self.pool, self.fc1, self.act, self.fc2 = nn.AdaptiveAvgPool2d(1), nn.Conv2d(c, s, 1), nn.SiLU(), nn.Conv2d(s, c, 1)
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.fc2(self.act(self.fc1(self.pool(x)))))
+
+
+class MBConv(nn.Module):
+    def __init__(self, i, o, stride):
+        super().__init__()
+        self.res = stride == 1 and i == o
+        self.block = nn.Sequential(ConvBNAct(i, 4 * i), ConvBNAct(4 * i, 4 * i, 3, stride, groups=4 * i),
+                                   SE(4 * i, max(1, i // 4)), ConvBNAct(4 * i, o, act=None))
+
+    def forward(self, x):
+        y = self.block(x)
+        return y + x if self.res else y
+
+
+class TinyEfficientNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = ConvBNAct(4, 16, 3)
+        self.blocks = nn.Sequential(MBConv(16, 16, 1), MBConv(16, 24, 2), MBConv(24, 24, 1))
+        self.head = nn.Linear(24, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+def test_squeeze_excite_products_are_quantized_only_with_activations_and_share_the_pools_grid():
+    on, off = TinyEfficientNet(), TinyEfficientNet()
+    QuantSwap(Int8OnnxruntimeConfig()).swap(on)
+    QuantSwap(Int8OnnxruntimeConfig(activations=False)).swap(off)
+    se_on, se_off = on.blocks[0].block[2], off.blocks[0].block[2]
+    names = [n for n, _ in se_on.named_modules() if "mul" in n]
+    assert names and not any("mul" in n for n, _ in se_off.named_modules())
+    # x * gate: x is also the pool's input, so it is quantized by the pool's own quantizer (one grid, one Q)
+    assert not any(n.endswith("mul_0_a") for n in names) and any(n.endswith("mul_0_b") for n in names), names
+
+
+def test_every_conv_runs_integer_under_auto_calibration(tmp_path):
+    """Auto calibration may choose different methods for two quantizers of one tensor; the residual add after a
+    stride-2 block reads the tensor that the next block's first conv (inside an nn.Sequential subclass) reads,
+    so it is tied to that conv's quantizer: one QuantizeLinear, and the conv that writes it fuses."""
+    pytest.importorskip("onnxruntime")
+    from lq.export import export_onnx, optimized_op_counts
+
+    from _export_checks import assert_file_matches_pytorch
+
+    torch.manual_seed(0)
+    x = torch.randn(96, 4, 16, 16)
+    m = _trained_bn(TinyEfficientNet(), x)
+    QuantSwap(Int8OnnxruntimeConfig()).swap(m)
+    with torch.no_grad():
+        calibrate_model(m, list(x[:64].split(16)))  # auto
+    res = export_onnx(m, x[:8], str(tmp_path / "m.onnx"))
+    assert_file_matches_pytorch(m, res, x[64:])
+    float_kernels = [(k.layer, k.op, k.reason) for k in res.layer_kernels if not k.integer]
+    assert [k for k in float_kernels if k[1] in ("Conv", "Mul")] == [], float_kernels
+    ops = optimized_op_counts(res.path)
+    assert ops.get("QLinearSigmoid", 0) >= 3 * 2 and ops.get("QLinearMul", 0) >= 3 * 4, ops  # SiLUs and SE gates

@@ -65,6 +65,7 @@ class QuantSwap(L.Callback):
             glue=q.glue,
             unsigned_after_relu=q.unsigned_after_relu,
             recurrent=q.recurrent,
+            activations=q.activations,
         )
         name_quantizers(model, overwrite=True)
         self._apply_enabled(model)

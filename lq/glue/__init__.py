@@ -36,7 +36,7 @@ __all__ = ["GluePlan", "OutputSite", "plan", "GlueQuantized", "GlueQuantizer", "
 _LIBRARY_PREFIXES = ("torch.", "lq.", "lightning.", "pytorch_lightning.", "torchmetrics.", "transformers.")
 _GLUE_TEXT = re.compile(r"\+|torch\.cat|torch\.concat|@|matmul|\bbmm\b|\.add\(|scaled_dot_product_attention|avg_pool")
 
-_LABELS = {"add": "x + y", "cat": "torch.cat", "matmul": "a @ b", "attention": "scaled_dot_product_attention",
+_LABELS = {"add": "x + y", "mul": "x * y", "cat": "torch.cat", "matmul": "a @ b", "attention": "scaled_dot_product_attention",
            "pool": "average pooling"}
 
 
@@ -101,6 +101,12 @@ def _may_have_glue(m: nn.Module) -> bool:
     return bool(_GLUE_TEXT.search(body))
 
 
+def _plain_sequential(m: nn.Module) -> bool:
+    """An ``nn.Sequential`` or a subclass keeping its forward (torchvision's ``Conv2dNormActivation``): its
+    first child reads its input."""
+    return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
+
+
 def _tie(parent: nn.Module, graph: fx.Graph, will_be_quantized):
     """``tie(node)``: the input quantizer path of the first quantized conv/linear of ``parent`` that reads
     ``node`` as its input, directly or through grid-preserving ops (max pooling, reshapes), or None."""
@@ -118,7 +124,7 @@ def _tie(parent: nn.Module, graph: fx.Graph, will_be_quantized):
                 continue
             if u.op == "call_module":
                 path, layer = u.target, parent.get_submodule(u.target)
-                while type(layer) is nn.Sequential and len(layer):  # its first child reads the input
+                while _plain_sequential(layer) and len(layer):  # its first child reads the input
                     first = next(iter(layer._modules))
                     path, layer = f"{path}.{first}", layer._modules[first]
                 if isinstance(layer, TIED_LAYERS) and will_be_quantized(layer):
@@ -143,7 +149,8 @@ def unsigned_inputs(model: nn.Module, graphs: dict, plans: list[GluePlan], will_
 
 
 def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.Module], bool],
-         will_be_quantized: Callable[[nn.Module], bool], graphs: dict | None = None):
+         will_be_quantized: Callable[[nn.Module], bool], graphs: dict | None = None,
+         optional: frozenset = frozenset()):
     """``(plans, outputs, already, notes)``: modules whose forward has glue to quantize, layers whose output a
     float op reads (:mod:`lq.glue._outputs`), names of modules that already have glue quantizers, and one
     note per module that may hold glue but cannot be analysed. ``graphs``: filled with ``{id(module): its
@@ -172,7 +179,7 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
                 refused.setdefault((type(m), why), []).append(name or "the model")
             continue
         outputs.update((id(o.layer), o) for o in _outputs.sites_in_graph(m, name, graph, wants, will_be_quantized))
-        sites = find_sites(graph, _tie(m, graph, will_be_quantized), m)
+        sites = find_sites(graph, _tie(m, graph, will_be_quantized), m, optional)
         if sites:
             plans.append(GluePlan(name, m, graph, sites))
     notes = [f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''} ({cls.__name__}"

@@ -19,6 +19,10 @@ rather than a module. Runtimes keep such an op in INT8 only when its inputs are 
   the module forms have (:class:`lq.nn.QuantAdaptiveAvgPool2d` ...): onnxruntime then runs
   ``QLinearGlobalAveragePool``/``QLinearAveragePool`` and the residual add before the pool a ``QLinearAdd``
   (``F.relu(x + y)`` -> ``F.adaptive_avg_pool2d`` ends most ResNets).
+* ``mul`` (``x * y`` of two activations: a squeeze-excite gate ``x * torch.sigmoid(s)``, a SiLU written as
+  ``x * torch.sigmoid(x)``) -> one quantizer per operand, tied like an add's: ``QLinearMul``, and the
+  sigmoid between two quantizers a ``QLinearSigmoid``. Only where the recipe quantizes activations
+  (:attr:`lq.config.QuantConfig.activations`; :data:`OPTIONAL_KINDS`).
 * ``attention`` (``F.scaled_dot_product_attention``) -> written out as its two matmuls with quantizers on
   q, k, the probabilities and v (:mod:`lq.glue._attention`).
 
@@ -44,6 +48,7 @@ class GlueRule:
 ADD = GlueRule("add", shared=False)
 CAT = GlueRule("cat", shared=False)
 MATMUL = GlueRule("matmul", shared=False)
+MUL = GlueRule("mul", shared=False)
 #: ``F.scaled_dot_product_attention``: written out (lq.glue._attention) with a quantizer on q, k, the
 #: probabilities and v, so both of its matmuls run as integer matmuls
 ATTENTION = GlueRule("attention", shared=False)
@@ -55,7 +60,9 @@ INPUT_QUANTIZER = "_input_quantizer"
 
 #: layers whose input quantizer an add operand shares when the layer reads the same tensor (they quantize their
 #: input per tensor with ``_input_quantizer``)
-TIED_LAYERS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
+TIED_LAYERS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear,
+               # a squeeze-excite block pools the tensor it then scales: pool and product share one grid
+               torch.nn.AdaptiveAvgPool1d, torch.nn.AdaptiveAvgPool2d, torch.nn.AdaptiveAvgPool3d)
 #: ops between an operand and that layer that map a grid onto itself (max pooling, nearest upsampling,
 #: reshapes): quantizing before or after them gives the same numbers, so the tie may look through them
 TIE_THROUGH_MODULES = (torch.nn.MaxPool1d, torch.nn.MaxPool2d, torch.nn.MaxPool3d, torch.nn.Flatten,
@@ -69,13 +76,18 @@ FUNCTIONS = {
     operator.add: ADD, torch.add: ADD,
     torch.cat: CAT, torch.concat: CAT, torch.concatenate: CAT,
     operator.matmul: MATMUL, torch.matmul: MATMUL, torch.bmm: MATMUL,
+    operator.mul: MUL, torch.mul: MUL,
     torch.nn.functional.scaled_dot_product_attention: ATTENTION,
     torch.nn.functional.adaptive_avg_pool1d: POOL, torch.nn.functional.adaptive_avg_pool2d: POOL,
     torch.nn.functional.adaptive_avg_pool3d: POOL, torch.nn.functional.avg_pool1d: POOL,
     torch.nn.functional.avg_pool2d: POOL, torch.nn.functional.avg_pool3d: POOL,
 }
 #: call_method targets (``x.add(y)``, ``a.matmul(b)``)
-METHODS = {"add": ADD, "matmul": MATMUL, "bmm": MATMUL}
+METHODS = {"add": ADD, "matmul": MATMUL, "bmm": MATMUL, "mul": MUL}
+#: kinds quantized only where the recipe asks (``find_sites(..., optional=...)``)
+OPTIONAL_KINDS = frozenset({"mul"})
+#: kinds whose result stays float when only float ops read it, and whose operands tie to a layer's quantizer
+JOIN_KINDS = frozenset({"add", "mul"})
 
 
 # --------------------------------------------------------------------------- output quantizers

@@ -6,7 +6,8 @@ import dataclasses
 
 import torch.fx as fx
 
-from lq.glue._rules import FLOAT_ONLY_REDUCERS_FUNCTIONS, FLOAT_ONLY_REDUCERS_METHODS, FUNCTIONS, METHODS, GlueRule
+from lq.glue._rules import (FLOAT_ONLY_REDUCERS_FUNCTIONS, FLOAT_ONLY_REDUCERS_METHODS, FUNCTIONS, JOIN_KINDS, METHODS,
+                            OPTIONAL_KINDS, GlueRule)
 
 #: attributes and methods of a tensor that give Python values (shapes, dtypes), not tensors
 _META_ATTRS = {"shape", "dtype", "device", "ndim", "layout", "is_cuda", "requires_grad", "is_quantized"}
@@ -108,7 +109,7 @@ def _float_only(node: fx.Node, parent, float_adds: set) -> bool:
     return bool(node.users) and all(float_reader(u) for u in node.users)
 
 
-def find_sites(graph: fx.Graph, tie=None, parent=None) -> list[Site]:
+def find_sites(graph: fx.Graph, tie=None, parent=None, optional: frozenset = frozenset()) -> list[Site]:
     """Every glue op of ``graph`` whose operands are all activation tensors, in graph order, except adds whose
     result only float ops read (:data:`lq.glue._rules.FLOAT_ONLY_REDUCERS_METHODS`).
 
@@ -124,7 +125,7 @@ def find_sites(graph: fx.Graph, tie=None, parent=None) -> list[Site]:
             rule = FUNCTIONS.get(n.target)
         elif n.op == "call_method":
             rule = METHODS.get(n.target)
-        if rule is None:
+        if rule is None or (rule.kind in OPTIONAL_KINDS and rule.kind not in optional):
             continue
         if rule.kind == "add" and (n.kwargs.get("alpha", 1) != 1 or (n.op == "call_function" and len(n.args) > 2)):
             continue  # add with a scale: not a plain residual join
@@ -134,7 +135,7 @@ def find_sites(graph: fx.Graph, tie=None, parent=None) -> list[Site]:
         k = counts.get(rule.kind, 0)
         counts[rule.kind] = k + 1
         site = Site(n, rule, ops, f"{rule.kind}_{k}")
-        if rule.kind in ("add", "cat") and tie is not None:
+        if rule.kind in JOIN_KINDS | {"cat"} and tie is not None:
             for i, op in enumerate(dict.fromkeys(ops)):
                 path = tie(op)
                 if path is not None:
@@ -142,7 +143,7 @@ def find_sites(graph: fx.Graph, tie=None, parent=None) -> list[Site]:
         sites.append(site)
     float_adds: set = set()
     for site in reversed(sites):  # readers come later in the graph: decide them first
-        if site.rule.kind == "add" and _float_only(site.node, parent, float_adds):
+        if site.rule.kind in JOIN_KINDS and _float_only(site.node, parent, float_adds):
             float_adds.add(site.node)
     sites = [s for s in sites if s.node not in float_adds]
     counts.clear()
