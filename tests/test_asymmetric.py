@@ -18,7 +18,7 @@ from torch import nn
 from lq.calib import HistogramCalibrator, MaxCalibrator
 from lq.calibration import calibrate_model
 from lq.callbacks.swap import QuantSwap
-from lq.config import RECIPES, Int8OnnxruntimeConfig, QuantizerConfig
+from lq.config import Int8OnnxruntimeConfig, QuantizerConfig
 from lq.nn import TensorQuantizer
 from lq.tensor_quant import QuantDescriptor
 
@@ -132,6 +132,22 @@ def _trained_bn(m, x):
     return m.eval()
 
 
+def _exported(model: nn.Module, x: torch.Tensor, n_calib: int, path, **calib_kw):
+    """The recipe as a user runs it: BatchNorm statistics, swap, calibrate on the first ``n_calib`` rows, export;
+    the file checked against PyTorch on the rest. Returns the export's result."""
+    from lq.export import export_onnx
+
+    from _export_checks import assert_file_matches_pytorch
+
+    m = _trained_bn(model, x)
+    QuantSwap(Int8OnnxruntimeConfig()).swap(m)
+    with torch.no_grad():
+        calibrate_model(m, list(x[:n_calib].split(16)), **calib_kw)
+    res = export_onnx(m, x[:8], str(path / "m.onnx"))
+    assert_file_matches_pytorch(m, res, x[n_calib:])
+    return res
+
+
 def test_sequential_conv_bn_act_gets_its_output_quantizer_on_the_batchnorm():
     torch.manual_seed(0)
     m = HardSwishNet()
@@ -147,18 +163,10 @@ def test_sequential_conv_bn_act_gets_its_output_quantizer_on_the_batchnorm():
 
 def test_int8_onnxruntime_file_has_uint8_zero_points_no_clamp_and_equals_pytorch(tmp_path):
     pytest.importorskip("onnxruntime")
-    from lq.export import export_onnx, optimized_op_counts
-
-    from _export_checks import assert_file_matches_pytorch
+    from lq.export import optimized_op_counts
 
     torch.manual_seed(0)
-    x = torch.randn(64, 4, 12, 12)
-    m = _trained_bn(HardSwishNet(), x)
-    QuantSwap(RECIPES["int8_onnxruntime"]()).swap(m)
-    with torch.no_grad():
-        calibrate_model(m, list(x[:48].split(16)), method="max")
-    res = export_onnx(m, x[:8], str(tmp_path / "m.onnx"))
-    assert_file_matches_pytorch(m, res, x[48:])
+    res = _exported(HardSwishNet(), torch.randn(64, 4, 12, 12), 48, tmp_path, method="max")
     g = onnx.load(res.path).graph
     consts = {t.name: onnx.numpy_helper.to_array(t) for t in g.initializer}
     zps = [consts[n.input[2]] for n in g.node if n.op_type == "QuantizeLinear"]
@@ -254,18 +262,10 @@ def test_the_recipe_swaps_silu_and_hardswish_only_when_it_quantizes_activations(
 
 def test_silu_and_hardswish_run_integer_sigmoid_and_mul_in_the_file(tmp_path):
     pytest.importorskip("onnxruntime")
-    from lq.export import export_onnx, optimized_op_counts
-
-    from _export_checks import assert_file_matches_pytorch
+    from lq.export import optimized_op_counts
 
     torch.manual_seed(0)
-    x = torch.randn(64, 4, 12, 12)
-    m = _trained_bn(SiLUNet(), x)
-    QuantSwap(Int8OnnxruntimeConfig()).swap(m)
-    with torch.no_grad():
-        calibrate_model(m, list(x[:48].split(16)), method="max")
-    res = export_onnx(m, x[:8], str(tmp_path / "m.onnx"))
-    assert_file_matches_pytorch(m, res, x[48:])
+    res = _exported(SiLUNet(), torch.randn(64, 4, 12, 12), 48, tmp_path, method="max")
     ops = optimized_op_counts(res.path)
     assert ops.get("QLinearSigmoid") == 1 and ops.get("QLinearMul") == 2, ops
     assert "Sigmoid" not in ops and "QuickGelu" not in ops and "Mul" not in ops, ops
@@ -329,18 +329,10 @@ def test_every_conv_runs_integer_under_auto_calibration(tmp_path):
     stride-2 block reads the tensor that the next block's first conv (inside an nn.Sequential subclass) reads,
     so it is tied to that conv's quantizer: one QuantizeLinear, and the conv that writes it fuses."""
     pytest.importorskip("onnxruntime")
-    from lq.export import export_onnx, optimized_op_counts
-
-    from _export_checks import assert_file_matches_pytorch
+    from lq.export import optimized_op_counts
 
     torch.manual_seed(0)
-    x = torch.randn(96, 4, 16, 16)
-    m = _trained_bn(TinyEfficientNet(), x)
-    QuantSwap(Int8OnnxruntimeConfig()).swap(m)
-    with torch.no_grad():
-        calibrate_model(m, list(x[:64].split(16)))  # auto
-    res = export_onnx(m, x[:8], str(tmp_path / "m.onnx"))
-    assert_file_matches_pytorch(m, res, x[64:])
+    res = _exported(TinyEfficientNet(), torch.randn(96, 4, 16, 16), 64, tmp_path)  # auto calibration
     float_kernels = [(k.layer, k.op, k.reason) for k in res.layer_kernels if not k.integer]
     assert [k for k in float_kernels if k[1] in ("Conv", "Mul")] == [], float_kernels
     ops = optimized_op_counts(res.path)
