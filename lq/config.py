@@ -323,7 +323,7 @@ class CalibConfig:
             block's max), ``mse`` (per block, the fraction of its max with the smallest weight error) or ``awq``
             (activation-aware: input channels scaled by their mean magnitude^alpha, alpha per layer on its output
             error over the calibration batches, the inverse as one Mul before the layer; MSE blocks). Both are in
-            the model, so the exported file computes the same (``lq.calib._block_search``).
+            the model, so the exported file computes the same (lq/calib/_block_search.py).
     """
 
     enabled: bool = True
