@@ -37,8 +37,11 @@ setup-clean:
 train: setup-train
 	lq-train
 
+# two pytest-xdist workers (CI has 2 cores), one group per test file; the benches' smoke runs start with the session
+# and their tests run last (tests/_bench_runs.py). `python -m pytest -q` runs the same tests in one process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # the onnxruntime tests again on an emulated AVX2-only CPU (qemu's Haswell), whatever this one has (slow)
 test-avx2: setup

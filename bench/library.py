@@ -510,10 +510,11 @@ def _first_line(e: BaseException, n: int = 400) -> str:
 
 
 def lq_file(row: dict, name: str, model: nn.Module, batches, reduce_range: bool, p: str, outputs: list[str],
-            spec: Spec, xte, yte) -> bool:
+            spec: Spec, xte, yte, fast: bool = False) -> bool:
     """lq's default path as a user calls it (quantize_model + calibration with no method: ``auto``), exported with
     verification. A file that fails verification is recorded (the error text) and exported again without it, so
-    its speed and accuracy are still measured. Returns whether a file exists."""
+    its speed and accuracy are still measured (``fast``: without the export's own speed check; the bench times
+    every file itself). Returns whether a file exists."""
     from lq.export import VerificationError, export_onnx
 
     try:
@@ -522,15 +523,16 @@ def lq_file(row: dict, name: str, model: nn.Module, batches, reduce_range: bool,
         row["verified"][name] = {"verified": False, "error": "quantize/calibrate failed: " + _first_line(e)}
         return False
     row["quality_torch"][name] = torch_quality(spec, q, xte, yte)
-    names = {"output_names": outputs} if len(outputs) > 1 else {}
+    kw = {"output_names": outputs} if len(outputs) > 1 else {}
+    kw["speed_check"] = not fast
     t = time.perf_counter()
     try:
-        res = export_onnx(q, batches[0], p, **names)
+        res = export_onnx(q, batches[0], p, **kw)
         row["verified"][name] = {"verified": True, "verdict": res.verdict}
     except VerificationError as e:
         row["verified"][name] = {"verified": False, "error": _first_line(e, 600)}
         try:
-            res = export_onnx(q, batches[0], p, verify=False, **names)
+            res = export_onnx(q, batches[0], p, verify=False, **kw)
         except Exception as e2:  # noqa: BLE001
             row["verified"][name]["error"] += f"; export with verify=False failed too: {_first_line(e2)}"
             return False
@@ -563,7 +565,7 @@ def run_model(spec: Spec, epochs: int, fast: bool, d: str) -> dict:
         row["quality"][k] = ort_quality(spec, paths[k], xte, yte)
     for name, rr in LQ_RECIPES:
         p = os.path.join(d, f"lq_{int(rr)}.onnx")
-        if lq_file(row, name, model, batches, rr, p, outputs, spec, xte, yte):
+        if lq_file(row, name, model, batches, rr, p, outputs, spec, xte, yte, fast):
             paths[name] = p
     try:
         p = os.path.join(d, "ort_qs.onnx")

@@ -119,7 +119,7 @@ def run(label: str, model: nn.Module, dims: tuple, d: str, fast: bool, unrolled:
         q = lq_ptq(model, calib, rr, method="max", recurrent=recurrent)  # max: as documented above
         paths[name] = p = os.path.join(d, f"lq_{int(rr)}_{recurrent}.onnx")  # recurrent None: the recipe's
         t = time.perf_counter()
-        res = export_onnx(q, sample, p, dynamic_dims=dims)
+        res = export_onnx(q, sample, p, dynamic_dims=dims, speed_check=not fast)  # --fast: the bench times it below
         r = row["lq"][name] = {"export_s": time.perf_counter() - t, "nodes": _nodes(p), "max_diff": res.max_abs_diff,
                                "steps": res.verdict}
         lstm = [k for k in res.layer_kernels if k.layer == "lstm"]
@@ -136,7 +136,7 @@ def run(label: str, model: nn.Module, dims: tuple, d: str, fast: bool, unrolled:
             with _unrolled():
                 pu = os.path.join(d, "unrolled.onnx")
                 t = time.perf_counter()
-                ru = export_onnx(q, sample, pu)
+                ru = export_onnx(q, sample, pu, speed_check=not fast)
                 row["unrolled"] = {"export_s": time.perf_counter() - t, "nodes": _nodes(pu),
                                    "max_diff": ru.max_abs_diff}
     export_fp32(model, paths[FP32], sample[:1], exporter="legacy")  # its LSTM op, as onnxruntime's tool takes it

@@ -317,7 +317,8 @@ def run_model(label: str, ctor, shape, epochs: int, fast: bool, d: str, log) -> 
         try:
             q = lq_ptq(model, batches, rr)
             t = time.perf_counter()
-            res = export_onnx(q, batches[0], p, speed_batch=TIMED_BATCH)  # its speed check at the bench's batch
+            # its speed check at the bench's batch (--fast: none, the bench times the file below)
+            res = export_onnx(q, batches[0], p, speed_batch=TIMED_BATCH, speed_check=not fast)
         except Exception as e:  # an ordinary model lq cannot export yet: say so, go on
             row["notes"].append(f"{name}: export failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             continue
@@ -333,19 +334,20 @@ def run_model(label: str, ctor, shape, epochs: int, fast: bool, d: str, log) -> 
     except Exception as e:
         row["notes"].append(f"{ORT_QS} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
     n = AVX2_FAST_INPUTS if fast else len(xte)
-    _on_avx2(row, paths, [xte[:n].numpy()], lambda logits: 100.0 * float((logits.argmax(1) == yte[:n].numpy()).mean()))
+    _on_avx2(row, paths, [xte[:n].numpy()], lambda logits: 100.0 * float((logits.argmax(1) == yte[:n].numpy()).mean()),
+             fast)
     _time(row, paths, np.ascontiguousarray(xte[:TIMED_BATCH].numpy()), fast, log)
     return row
 
 
-def _on_avx2(row: dict, paths: dict, feeds, quality) -> None:
-    """``quality(first output)`` of every INT8 file of the row on this CPU and on an emulated AVX2-only CPU
-    (qemu's Haswell: no AVX-512, no VNNI; :mod:`bench._avx2`), for the same ``feeds``, in
+def _on_avx2(row: dict, paths: dict, feeds, quality, fast: bool = False) -> None:
+    """``quality(first output)`` of every INT8 file of the row (``fast``: lq's files only) on this CPU and on an
+    emulated AVX2-only CPU (qemu's Haswell: no AVX-512, no VNNI; :mod:`bench._avx2`), for the same ``feeds``, in
     ``row["acc_avx2"][file] = {"here": .., "avx2": ..}``: onnxruntime's AVX2 integer kernels saturate where VNNI
     does not, so a file's accuracy can differ there. A note instead where qemu is not installed."""
     from bench import _avx2
 
-    names = [n for n in paths if n != "FP32 export"]
+    names = [n for n in paths if n != "FP32 export" and (n.startswith("lq") or not fast)]
     if not _avx2.available():
         row["notes"].append("accuracy on AVX2 not measured: qemu-x86_64 is not installed (apt-get install qemu-user)")
         return
@@ -411,8 +413,10 @@ def run_minilm(fast: bool, d: str, log) -> dict:
     # the calibration documents at the model's context length as bench.accuracy has them (M.MAX_LENGTH), not cut
     # to the 64 tokens the files are timed at: cut, lq's default recipe reaches cosine 0.988 instead of 0.990
     # (--fast cuts them: a smoke run, half of its time went into calibrating on 256-token documents)
-    calib = [M.fixed_length(tok, data.calib[i: i + 8], 64 if fast else M.MAX_LENGTH)
-             for i in range(0, 16 if fast else 64, 8)]
+    # (--fast: two batches of 4 documents, what auto's search and its check against max need at least)
+    per = 4 if fast else 8
+    calib = [M.fixed_length(tok, data.calib[i: i + per], 64 if fast else M.MAX_LENGTH)
+             for i in range(0, 2 * per if fast else 64, per)]
     feeds = {k: v.numpy() for k, v in sentences.items()}
     with torch.no_grad():
         ref = M.SentenceEmbedding(model).eval()(**sentences)
@@ -433,7 +437,8 @@ def run_minilm(fast: bool, d: str, log) -> dict:
         t = time.perf_counter()
         # rounding flips compound through six layers: a loose bound here, the cosine is the measure
         res = export_onnx(q, (sentences["input_ids"][:8], sentences["attention_mask"][:8]), p,
-                          input_names=list(M.INPUT_NAMES), dynamic_dims=(1,), rtol=0.25, speed_batch=TIMED_BATCH)
+                          input_names=list(M.INPUT_NAMES), dynamic_dims=(1,), rtol=0.25, speed_batch=TIMED_BATCH,
+                          speed_check=not fast)
         paths[name] = p
         row["acc"][name] = cosine(make_session(p).run(None, feeds)[0])
         _count_kernels(row, name, res, time.perf_counter() - t)
@@ -446,7 +451,7 @@ def run_minilm(fast: bool, d: str, log) -> dict:
         paths[name] = p
         row["acc"][name] = cosine(make_session(p).run(None, feeds)[0])
     n = AVX2_FAST_INPUTS // 8 if fast else len(ref)  # 40 s per file for 40 sentences in the emulator
-    _on_avx2(row, paths, {k: v[:n] for k, v in feeds.items()}, cosine)
+    _on_avx2(row, paths, {k: v[:n] for k, v in feeds.items()}, cosine, fast)
     _time(row, paths, {k: np.ascontiguousarray(v[:TIMED_BATCH]) for k, v in feeds.items()}, fast, log)
     return row
 
@@ -584,7 +589,8 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float) -> Pat
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fast", action="store_true", help="1 epoch, few timing repeats (CI smoke run)")
+    ap.add_argument("--fast", action="store_true", help="1 epoch, few timing repeats, no speed check inside the exports (the bench "
+                    "times the files), lq's files only on the emulated AVX2 CPU (CI smoke run)")
     ap.add_argument("--out", type=Path, default=None,
                     help="output folder (default docs/results, or outputs/bench_fast with --fast)")
     ap.add_argument("--epochs", type=int, default=None,

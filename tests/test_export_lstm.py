@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from _limits import HANG_GUARD_S
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -336,16 +335,9 @@ def test_the_users_model_is_untouched(tmp_path):
         torch.testing.assert_close(model(x)[0], before, rtol=0, atol=0)
 
 
-def test_bench_lstm_export_fast_runs_as_the_readme_shows():
-    """``python -m bench.lstm_export`` (README) in its --fast form: every LSTM matmul integer, both lengths."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-m", "bench.lstm_export", "--fast"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=HANG_GUARD_S)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.count("LSTM matmuls 8 of 8 integer") >= 4 and "another sequence length" in out.stdout
+def test_bench_lstm_export_fast_runs_as_the_readme_shows(bench_runs):
+    """``python -m bench.lstm_export`` (README) in its --fast form: every LSTM matmul integer, both lengths. (The
+    run starts with the test session, beside the other benches: tests/_bench_runs.py.)"""
+    r = bench_runs["lstm_export"]
+    r.check()
+    assert r.log.count("LSTM matmuls 8 of 8 integer") >= 4 and "another sequence length" in r.log

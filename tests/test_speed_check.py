@@ -343,3 +343,19 @@ def test_the_bench_reports_the_exports_check_beside_its_own_measurement():
     assert lq == ["CNN", "lq", "2.10x [2.00-2.20]", "2.00x [1.90-2.10]", "+5%", "yes"]
     assert qs[2].endswith(" noisy") and qs[4] == "-20%" and qs[5] == "**no**"
     assert check_vs_bench([{"model": "old row without a check", "speedup": {}}]) == []
+
+
+def test_speed_check_false_exports_and_verifies_without_timing(tmp_path, monkeypatch):
+    """``speed_check=False`` (a caller that times the file itself, as the benches' --fast runs): no plain FP32
+    export, no timing, no speed numbers; the file is still verified and its kernels reported."""
+    x = torch.randn(4, 3, 16, 16)
+    model = _calibrated(_float(ConvBN()), x)
+    seen = _spy_compare(monkeypatch)
+    exported = []
+    real = _fp32_reference.plain_export
+    monkeypatch.setattr(_fp32_reference, "plain_export", lambda *a, **k: exported.append(1) or real(*a, **k))
+    res = export_onnx(model, x, tmp_path / "m.onnx", speed_check=False)
+    assert res.speed_check is None and res.speedup is None and not seen and not exported
+    assert res.output_checks and res.layer_kernels and (tmp_path / "m.onnx").exists()
+    res = export_onnx(model, x, tmp_path / "m2.onnx")  # the default times it
+    assert res.speed_check is not None and seen and exported

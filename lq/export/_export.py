@@ -81,6 +81,7 @@ def export_onnx(
     check_fusion: bool = True,
     keep_metadata: bool = False,
     speed_batch: int | None = None,
+    speed_check: bool = True,
 ) -> ExportResult:
     """Export a fake-quantized model to ONNX with QuantizeLinear/DequantizeLinear, check and verify it.
 
@@ -133,6 +134,8 @@ def export_onnx(
             same model (``torch.onnx.export`` of the float model); None: the sample's batch. Another batch
             repeats the sample along the batch axis, which must be dynamic. The check runs when the file is
             verified for onnxruntime with ``check_fusion`` (:attr:`ExportResult.speed_check`).
+        speed_check: False skips that check (no FP32 export, no timing; ``speed_check`` and ``speedup`` are
+            None), for a caller that times the file itself.
 
     Returns:
         :class:`ExportResult`.
@@ -234,7 +237,7 @@ def export_onnx(
     except Exception as e:
         raise ExportError(f"torch.onnx export ({exporter}) failed: {type(e).__name__}: {_short(e)}") from e
 
-    timed = verify and check_fusion and target == "onnxruntime"
+    timed = verify and check_fusion and target == "onnxruntime" and speed_check
     twin = _float_twin.float_twin(proto) if timed else None  # recurrent layers as ONNX LSTM, as in an FP32 export
     proto = _loops.lower_recurrent(proto)  # recurrent placeholders -> Scan (bodies still hold lq placeholders)
 
