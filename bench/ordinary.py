@@ -15,7 +15,9 @@ all-MiniLM-L6-v2 from transformers (when its data wheels are installed), then fo
   (MiniLM: mean cosine of its embeddings to FP32's);
 * onnxruntime's own ``quantize_static`` (QDQ, per-channel, after ``quant_pre_process``, u8s8) on the FP32
   export, the reference to beat (and for MiniLM its ``quantize_dynamic``, its recipe for transformers);
-* speed-ups over the FP32 export at batch 32, one thread, contenders timed in turns;
+* speed-ups over the FP32 export (``torch.onnx.export``'s default, current exporter: the file lq's own speed check
+  makes) at batch 32, one thread, contenders timed in turns; onnxruntime's quantizers are given the legacy
+  exporter's FP32 file, which is timed beside them;
 * from lq's export report: how many quantized conv/linear layers run an integer kernel, and why not;
 * every INT8 file's accuracy again on an emulated AVX2-only CPU (qemu's Haswell, :mod:`bench._avx2`), where
   onnxruntime's integer kernels saturate int16 pair sums that VNNI does not (skipped, with a note, without qemu).
@@ -50,6 +52,8 @@ torch.set_flush_denormal(True)
 LQ_DEFAULT = "lq INT8 (8-bit weights)"
 LQ_REDUCE = "lq INT8 (int8_reduce_range)"
 ORT_QS = "ORT quantize_static u8s8"
+FP32 = "FP32 export"  # torch.onnx.export's default (current) exporter: every speed-up is against this file
+FP32_LEGACY = "FP32 export (legacy exporter)"  # onnxruntime's quantizers' input, timed beside it
 TIMED_BATCH = 32  # every file is timed at this batch, and the export's own speed check too
 #: ``--fast``: the digits images (MiniLM: an eighth as many sentences) each file also runs on the emulated AVX2 CPU
 AVX2_FAST_INPUTS = 64
@@ -310,8 +314,8 @@ def run_model(label: str, ctor, shape, epochs: int, fast: bool, d: str, log) -> 
     row: dict = {"model": label, "train_s": time.perf_counter() - t0, "acc": {"FP32": torch_accuracy(model, xte, yte)},
                  "notes": []}
     batches = list(xtr[:256].split(32))
-    paths = {"FP32 export": os.path.join(d, "fp32.onnx")}
-    export_fp32(model, paths["FP32 export"], xtr[:2])
+    paths = {FP32: os.path.join(d, "fp32.onnx")}
+    export_fp32(model, paths[FP32], xtr[:2])
     for name, rr in ((LQ_DEFAULT, False), (LQ_REDUCE, True)):
         p = os.path.join(d, f"lq_{int(rr)}.onnx")
         try:
@@ -328,7 +332,8 @@ def run_model(label: str, ctor, shape, epochs: int, fast: bool, d: str, log) -> 
         _count_kernels(row, name, res, time.perf_counter() - t)
     try:
         export_fp32(model, os.path.join(d, "fp32_legacy.onnx"), xtr[:1], exporter="legacy")
-        ort_quantize_static(os.path.join(d, "fp32_legacy.onnx"), os.path.join(d, "ort.onnx"), batches)
+        paths[FP32_LEGACY] = os.path.join(d, "fp32_legacy.onnx")
+        ort_quantize_static(paths[FP32_LEGACY], os.path.join(d, "ort.onnx"), batches)
         paths[ORT_QS] = os.path.join(d, "ort.onnx")
         row["acc"][ORT_QS] = ort_accuracy(paths[ORT_QS], xte, yte)
     except Exception as e:
@@ -347,7 +352,7 @@ def _on_avx2(row: dict, paths: dict, feeds, quality, fast: bool = False) -> None
     does not, so a file's accuracy can differ there. A note instead where qemu is not installed."""
     from bench import _avx2
 
-    names = [n for n in paths if n != "FP32 export" and (n.startswith("lq") or not fast)]
+    names = [n for n in paths if n not in (FP32, FP32_LEGACY) and (n.startswith("lq") or not fast)]
     if not _avx2.available():
         row["notes"].append("accuracy on AVX2 not measured: qemu-x86_64 is not installed (apt-get install qemu-user)")
         return
@@ -377,11 +382,14 @@ def _count_kernels(row: dict, name: str, res, export_s: float) -> None:
 
 def _time(row: dict, paths: dict, x, fast: bool, log) -> None:
     """Every file of the row at batch 32 (:data:`TIMED_BATCH`), one thread, in turns: speed-ups over the FP32
-    export."""
+    export of the current exporter (:data:`FP32`; the legacy exporter's FP32 file, where made, is one of the
+    files timed against it)."""
     repeats, min_time = (3, 0.05) if fast else (9, 0.25)
     t = ort_times(paths, x, 1, repeats, min_time)
-    row["speedup"] = {k: _report.ratios(t["FP32 export"], v) for k, v in t.items() if k != "FP32 export"}
-    row["ms_fp32"] = _report.spread(t["FP32 export"])
+    row["speedup"] = {k: _report.ratios(t[FP32], v) for k, v in t.items() if k != FP32}
+    row["ms_fp32"] = _report.spread(t[FP32])
+    if FP32_LEGACY in t:
+        row["ms_fp32_legacy"] = _report.spread(t[FP32_LEGACY])
     row["isa"] = _report.cpu_isa()
     log(f"  {row['model']}: FP32 {row['acc']['FP32']:.2f}%, " + ", ".join(
         f"{k} {_report.fmt_ratio(v)}" for k, v in row["speedup"].items()))
@@ -425,8 +433,12 @@ def run_minilm(fast: bool, d: str, log) -> dict:
         return 100.0 * float(F.cosine_similarity(torch.as_tensor(emb), ref[: len(emb)]).mean())
 
     row: dict = {"model": MINILM, "metric": "mean cosine to FP32, %", "acc": {"FP32": 100.0}, "notes": []}
-    paths = {"FP32 export": os.path.join(d, "fp32.onnx")}
-    M.export_fp32(model, paths["FP32 export"], sentences, dynamic_sequence=True)  # quantize_static calibrates on it
+    # the FP32 file every speed-up is against: torch.onnx.export's default (current) exporter, as the export's own
+    # speed check makes it; onnxruntime's quantizers take the legacy exporter's file (as for the digits models),
+    # which onnxruntime runs faster for this model: it is timed beside the others (its own column)
+    paths = {FP32: os.path.join(d, "fp32.onnx"), FP32_LEGACY: os.path.join(d, "fp32_legacy.onnx")}
+    M.export_fp32(model, paths[FP32], sentences, dynamic_sequence=True, exporter="dynamo")
+    M.export_fp32(model, paths[FP32_LEGACY], sentences, dynamic_sequence=True)  # quantize_static calibrates on it
     for name, rr in ((LQ_DEFAULT, False), (LQ_REDUCE, True)):
         q = M.SentenceEmbedding(copy.deepcopy(model)).eval()
         quantize_model(q, quant_desc_weight=Int8ReduceRangeConfig().weight.to_descriptor() if rr else None)
@@ -444,8 +456,8 @@ def run_minilm(fast: bool, d: str, log) -> dict:
         _count_kernels(row, name, res, time.perf_counter() - t)
         row["notes"].append(f"{name}: onnxruntime runs {ort_int8_ops(p)} (the float MatMuls: attention scores "
                             "and context; transformers' modules are library code, lq's glue does not rewrite them)")
-    for name, make in ((ORT_QS, lambda p: ort_quantize_static(paths["FP32 export"], p, calib)),
-                       (ORT_DYNAMIC, lambda p: quantize_dynamic(paths["FP32 export"], p, weight_type=QuantType.QInt8))):
+    for name, make in ((ORT_QS, lambda p: ort_quantize_static(paths[FP32_LEGACY], p, calib)),
+                       (ORT_DYNAMIC, lambda p: quantize_dynamic(paths[FP32_LEGACY], p, weight_type=QuantType.QInt8))):
         p = os.path.join(d, f"{name.split()[1]}.onnx")
         make(p)
         paths[name] = p
@@ -534,7 +546,11 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float) -> Pat
     def quality(r: dict, v: float) -> str:  # digits accuracy, or MiniLM's cosine to FP32
         return f"cos {v / 100:.4f}" if "metric" in r else f"{v:.2f}%"
     lines = ["# Ordinary models", "", f"Produced by `bench/ordinary.py` (CPU: {isa}). Speed-up = FP32 export time / "
-             "INT8 time in onnxruntime at batch 32, 1 thread, files timed in turns; `median [p25-p75]`. Accuracy on "
+             "INT8 time in onnxruntime at batch 32, 1 thread, files timed in turns; `median [p25-p75]`. The FP32 "
+             "export is `torch.onnx.export` with its default (current) exporter, the file the export's own speed "
+             "check makes; onnxruntime's `quantize_static`/`quantize_dynamic` are given the legacy (TorchScript) "
+             "exporter's FP32 file, which is timed beside the others (its speed-up over the current exporter's file "
+             "is its own column). Accuracy on "
              "the digits test split (360 images) in onnxruntime; for MiniLM, the mean cosine of the file's "
              "embeddings to the FP32 model's on Pang-Lee sentences.", "", "## Targets", "",
              _report.table(["target", "measured", "met"],
@@ -546,11 +562,13 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float) -> Pat
         body.append([r["model"], quality(r, r["acc"]["FP32"])]
                     + [(f"{_report.fmt_ratio(sp[c])}, {quality(r, r['acc'][c])}" if c in sp
                         else "failed" if c != ORT_DYNAMIC else "-") for c in contenders]
+                    + [_report.fmt_ratio(sp[FP32_LEGACY]) if FP32_LEGACY in sp else "-"]
                     + ["; ".join(f"{v['integer']}/{v['layers']}" + (f" (+{v['by_choice']} float by choice)"
                                                                     if v.get("by_choice") else "")
                                  for v in r.get("kernels", {}).values()) or "-"])
     lines.append(_report.table(["model", "FP32 acc"] + [f"{c}: speed-up, acc" for c in contenders]
-                               + ["integer conv/linear/LSTM (8-bit; rr)"], body, "lr" + "r" * (len(contenders) + 1)))
+                               + [f"{FP32_LEGACY}: speed-up (onnxruntime's quantizers' input)",
+                                  "integer conv/linear/LSTM (8-bit; rr)"], body, "lr" + "r" * (len(contenders) + 2)))
     avx2 = [r for r in rows if r.get("acc_avx2")]
     if avx2:
         lines += ["", f"## The same files on an AVX2-only CPU ({_avx2_cpu()})", "",
@@ -567,7 +585,8 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float) -> Pat
                   "The ratio `export_onnx` reports (`ExportResult.speed_check`: the INT8 file against the plain "
                   f"FP32 export it makes of the same model, batch {TIMED_BATCH}, 1 thread, median FP32 time / median "
                   "INT8 time over its interleaved rounds, `[p25-p75]` of the per-round ratios) beside this bench's "
-                  "own timing of the same INT8 file against its FP32 export (the table above).", "",
+                  "own timing of the same INT8 file against its FP32 export from the same (current) exporter (the "
+                  "table above).", "",
                   _report.table(["model", "file", "export's check", "bench", "difference", "within 10%"], agree,
                                 "llrrrl")]
     lines += ["", "## What runs in float, and why (lq's export report)", ""]

@@ -169,6 +169,9 @@ def test_ordinary_fast(runs):
     for r in res["rows"]:
         name = r["model"]
         assert not [n for n in r["notes"] if "failed" in n], (name, r["notes"])
+        # speed-ups against the current exporter's FP32 file (the one lq's speed check makes); the legacy
+        # exporter's file, onnxruntime's quantizers' input, timed beside the INT8 files
+        assert O.FP32 not in r["speedup"] and _finite(r["speedup"][O.FP32_LEGACY]["median"]), (name, r["speedup"])
         for recipe in ("lq INT8 (8-bit weights)", "lq INT8 (int8_reduce_range)"):
             if "metric" in r:  # MiniLM: the file's embeddings and PyTorch fake-quant's, each by cosine to FP32
                 assert r["acc"][recipe] > 95 and abs(r["acc"][recipe] - r["acc"][recipe + " (PyTorch)"]) <= 0.1, r
@@ -184,6 +187,7 @@ def test_ordinary_fast(runs):
                 assert abs(v["avx2"] - v["here"]) <= tol, (name, r["acc_avx2"])
     md = (out / "ordinary" / "ordinary.md").read_text()
     assert "## Targets" in md and "(CPU: " in md and "Command: `python -m bench.ordinary --fast" in md
+    assert f"| {O.FP32_LEGACY}: speed-up" in md  # its own column in the speed table
     assert ("## The same files on an AVX2-only CPU" in md) == avx2.available()
 
 
