@@ -119,9 +119,9 @@ def test_hydra_rejects_bad_values_and_typos():
 def test_hydra_defaults_equal_dataclass_defaults():
     job = OmegaConf.to_object(_compose([]))
     assert job.calib == C.CalibConfig() and job.qat == C.QATConfig() and job.export == C.ExportConfig()
-    # the job's recipe (7-bit weights for onnxruntime) is the same from Hydra and from Python
-    assert type(job.quant) is C.Int8ReduceRangeConfig
-    assert asdict(job.quant) == asdict(C.JobConfig().quant) == asdict(C.Int8ReduceRangeConfig())
+    # the job's recipe (onnxruntime's own grids) is the same from Hydra and from Python
+    assert type(job.quant) is C.Int8OnnxruntimeConfig
+    assert asdict(job.quant) == asdict(C.JobConfig().quant) == asdict(C.Int8OnnxruntimeConfig())
 
 
 def test_lightning_cli_parses_callback_config(tmp_path):
