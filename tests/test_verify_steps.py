@@ -201,11 +201,11 @@ def mobilenet_file(mobilenet200, tmp_path_factory):
 
 
 # =========================================================================== (a) the issue's architectures pass
-def test_mobilenet_v3_like_file_verifies_and_reports_its_steps(mobilenet200, mobilenet_file):
+def test_mobilenet_v3_like_file_verifies_and_reports_its_steps(mobilenet_file):
     """Depthwise convs, squeeze-excite (Hardsigmoid -> Mul), Hardswish, plain residual adds: rounding ties that
     onnxruntime breaks differently cascade through the blocks, so the logits sit a few steps from PyTorch's; the
-    file verifies. The rule before steps (5% of max|output|) rejected it."""
-    model, _, x = mobilenet200
+    file verifies although elements sit more than two steps away (the rule before steps, 5% of max|output|,
+    rejected this model's file while lq's placement left more of it float)."""
     res = mobilenet_file
     (c,) = res.output_checks
     assert res.tolerance is None and c.from_graph and c.step > 0
@@ -214,7 +214,7 @@ def test_mobilenet_v3_like_file_verifies_and_reports_its_steps(mobilenet200, mob
     assert c.max_diff == pytest.approx(res.max_abs_diff)
     assert res.verdict == c.text() and "top-1 differs on 0 of 64 rows" in res.verdict
     assert "judged in output steps" in res.summary() and c.text() in res.summary()
-    assert res.max_abs_diff > 0.05 * np.abs(_logits(model, x)).max()  # what the old rule rejected
+    assert c.beyond_2 > 0 and c.max_diff > 2 * c.step  # several steps off on ties, and judged good
 
 
 def test_mobilenet_v3_like_file_verifies_with_int8_reduce_range(tmp_path):
