@@ -49,7 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--fast", action="store_true", help="smoke run: little data, few repeats, one QAT epoch")
     p.add_argument("--out", type=Path, default=None, help="output folder (default docs/results, fast: outputs/)")
     p.add_argument("--threads", type=int, default=2, help="torch threads for calibration and QAT")
-    p.add_argument("--qat-epochs", type=int, default=None, help="QAT epochs (default 3, fast 1; 0: no QAT)")
+    p.add_argument("--qat-epochs", type=int, default=None, help="QAT epochs (default 2, fast 1; 0: no QAT)")
     return p.parse_args(argv)
 
 
@@ -111,8 +111,11 @@ class EmbeddingQAT:
         return _Module()
 
 
-def lq_qat(model, calib: list[dict], epochs: int, lr: float = 1e-4) -> torch.nn.Module:
-    """QuantCallback(int4_block_weight, AWQ calibration, distilled QAT) on ``calib``; the quantized embedding."""
+def lq_qat(model, calib: list[dict], epochs: int, lr: float = 3e-5) -> torch.nn.Module:
+    """QuantCallback(int4_block_weight, AWQ calibration, distilled QAT) on ``calib``; the quantized embedding.
+
+    The learning rate, measured (cosine to FP32 of the fake-quant model, 128 tokens, AWQ start 0.9749): 3e-4 fell
+    to 0.951 after one epoch, 1e-4 reached 0.977 after three, 3e-5 0.9806 after one and 0.9814 after two."""
     import lightning as L
 
     from lq import QuantCallback
@@ -206,7 +209,7 @@ def main(argv=None) -> int:
 
 def _run(args, out: Path, cmd: str, t0: float, work: Path) -> int:
     fast = args.fast
-    epochs = args.qat_epochs if args.qat_epochs is not None else (1 if fast else 3)
+    epochs = args.qat_epochs if args.qat_epochs is not None else (1 if fast else 2)
     info = R.machine()
     R.log(f"bench.int4 on {info['cpu']} ({info['isa']})")
     model, tok = M.load_model()
