@@ -278,15 +278,19 @@ def test_autograd_matches_cpu(dtype, per_channel):
     w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
     results = []
     for dev in ("cpu", DEV):
-        xi = x.to(dev).requires_grad_()
-        ai = amax.to(dev).requires_grad_()
+        xi = x.detach().to(dev).requires_grad_()  # a leaf on each device (x.to("cpu") is x itself)
+        ai = amax.detach().to(dev).requires_grad_()
         y = tensor_quant.fake_tensor_quant(xi, ai)
         (y.float() * w.to(dev).float()).sum().backward()
         results.append((y, xi.grad, ai.grad))
     (y0, gx0, ga0), (y1, gx1, ga1) = results
     assert_bits(y1, y0)
     assert_bits(gx1, gx0)
-    torch.testing.assert_close(ga1.cpu(), ga0, rtol=1e-5, atol=1e-5)  # a sum: reduction order differs
+    # fake_tensor_quant gives amax no gradient on either device (the reference toolkit's function; a learned amax
+    # gets its PACT gradient through TensorQuantizer's clip stage): the same answer on both
+    assert (ga1 is None) == (ga0 is None)
+    if ga0 is not None:
+        torch.testing.assert_close(ga1.cpu(), ga0, rtol=1e-5, atol=1e-5)  # a sum: reduction order differs
 
 
 # --------------------------------------------------------------------------- affine
@@ -477,7 +481,11 @@ def test_torch_compile_fullgraph():
         xe = x.to(DEV).requires_grad_()
         y_c = cf(xd, amax.to(DEV), w.to(DEV))
         y_e = f(xe, amax.to(DEV), w.to(DEV))
-        assert_bits(y_c, y_e)
+        # relu of a quantized -0.0 is -0.0 in eager and 0.0 in the compiled kernel: the sign of zero is torch's,
+        # not lq's (lq's op gives the same bits in both, checked on y before relu below)
+        assert_bits(y_c + 0.0, y_e + 0.0)
+        assert_bits(tensor_quant.fake_tensor_quant(xd.detach(), amax.to(DEV)),
+                    torch.compile(tensor_quant.fake_tensor_quant, fullgraph=True)(xd.detach(), amax.to(DEV)))
         y_c.float().sum().backward()
         y_e.float().sum().backward()
         assert_bits(xd.grad, xe.grad)
