@@ -24,7 +24,7 @@ from torch import nn
 
 from lq.calibration import calibrate_model
 from lq.callbacks import QuantSwap
-from lq.config import Int8ReduceRangeConfig, QuantConfig
+from lq.config import Int8OnnxruntimeConfig, Int8ReduceRangeConfig, QuantConfig
 from lq.export import export_onnx
 
 from bench._avx2 import CPU, available, first_outputs_here, first_outputs_on_avx2
@@ -150,7 +150,8 @@ def _calibrated(model: nn.Module, recipe: QuantConfig, batches: list) -> nn.Modu
     return model
 
 
-@pytest.mark.parametrize("recipe", [QuantConfig, Int8ReduceRangeConfig], ids=["8bit", "int8_reduce_range"])
+@pytest.mark.parametrize("recipe", [QuantConfig, Int8ReduceRangeConfig, Int8OnnxruntimeConfig],
+                         ids=["8bit", "int8_reduce_range", "int8_onnxruntime"])
 def test_lq_exports_give_pytorchs_numbers_on_avx2(tmp_path, recipe):
     images = _digits()
     models = {"resnet": (_resnet(), images.unsqueeze(1), {}), "mha_transformer": (DigitsTransformer(), images, {}),
