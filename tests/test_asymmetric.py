@@ -50,7 +50,8 @@ def _calibrated(desc, x, calibrator, method=None, **kw):
     return q
 
 
-@pytest.mark.parametrize("cls", [MaxCalibrator, HistogramCalibrator])
+@pytest.mark.parametrize("cls", [MaxCalibrator, lambda: HistogramCalibrator(signed_range=True)],
+                         ids=["max", "histogram"])
 def test_calibrators_keep_the_signed_range_and_merge_it(cls):
     a, b = _skewed(seed=1), _skewed(seed=2) - 0.2
     one, two, both = cls(), cls(), cls()
@@ -69,10 +70,10 @@ def test_calibrators_keep_the_signed_range_and_merge_it(cls):
     assert fresh.compute_range() is None
 
 
-def test_per_channel_calibrators_keep_no_signed_range():
-    c = MaxCalibrator(axis=0)
-    c.collect(torch.randn(4, 8))
-    assert c.compute_range() is None
+def test_per_channel_and_symmetric_histograms_keep_no_signed_range():
+    for c in (MaxCalibrator(axis=0), HistogramCalibrator(axis=0, signed_range=True), HistogramCalibrator()):
+        c.collect(torch.randn(4, 8))
+        assert c.compute_range() is None
 
 
 @pytest.mark.parametrize("method,kw", [("max", {}), ("percentile", {"percentile": 99.0}), ("mse", {}),

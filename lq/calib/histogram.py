@@ -65,12 +65,14 @@ class HistogramCalibrator(_Calibrator):
         torch_hist: accepted for compatibility; collection always runs ``torch.ops.lq.abs_histogram``
             on the input's device.
         max_bins: most bins the grid may grow to before pairs of bins merge (default ``4 * num_bins``).
+        signed_range: per tensor, also keep the signed min and max (:meth:`compute_range`) for an asymmetric
+            quantizer; one more reduction pass per batch, so only where one asks for it.
 
     Integer and bool tensors are calibrated as float32.
     """
 
     def __init__(self, num_bits=8, axis=None, unsigned=False, num_bins=2048, grow_method=None, skip_zeros=False,
-                 torch_hist=True, *, max_bins=None):
+                 torch_hist=True, *, max_bins=None, signed_range=False):
         super().__init__(num_bits, axis, unsigned)
         if isinstance(num_bins, bool) or not isinstance(num_bins, int) or not 2 <= num_bins <= 1 << 22:
             raise ValueError(f"num_bins must be an int in [2, 2^22], got {num_bins!r}")
@@ -89,12 +91,15 @@ class HistogramCalibrator(_Calibrator):
         self.add_state("_nbins", None, "custom")  # int64 (C,): bins in use per row
         self.add_state("_absmax", None, "custom")  # float32 (C,), finite absmax
         self.add_state("_amax_shape", None, "custom")  # broadcast shape of the amax
-        if self._axis is None:
+        self._signed_range = bool(signed_range) and self._axis is None
+        if self._signed_range:
             self._track_range()  # the signed range an asymmetric quantizer clips with the method's amax
 
     def _config(self) -> dict:
         cfg = super()._config()
         cfg.update(num_bins=self._num_bins, skip_zeros=self._skip_zeros)
+        if self._signed_range:
+            cfg["signed_range"] = True
         if self._max_bins != GROWTH_LIMIT * self._num_bins:
             cfg["max_bins"] = self._max_bins
         return cfg
@@ -191,7 +196,7 @@ class HistogramCalibrator(_Calibrator):
         x = self._input(x)
         if x.numel() == 0:
             return
-        if self._axis is None:
+        if self._signed_range:
             lo, hi, _ = finite_minmax(x, tuple(range(x.dim())), [])
             self._note_range(lo, hi)
         xc, axis, shape = self._channel_view(x)

@@ -145,7 +145,8 @@ class QuantCalibrate(L.Callback):
 
         for name, q in quantizers:
             kind = calibration.calibrator_kind(methods[name])
-            q.calibrator = (calib_mod.HistogramCalibrator(q.num_bits, q.axis, q.unsigned, num_bins=self.calib.num_bins)
+            q.calibrator = (calib_mod.HistogramCalibrator(q.num_bits, q.axis, q.unsigned, num_bins=self.calib.num_bins,
+                                                          signed_range=q.asymmetric)
                             if kind == "histogram" else "max")
             q.calibrator.reset()
             q.disable_quant()

@@ -340,7 +340,8 @@ class TensorQuantizer(nn.Module):
             return calib.MaxCalibrator(self._num_bits, None if blocks else self._axis, self._unsigned,
                                        block_sizes=blocks)
         if method == "histogram":
-            return calib.HistogramCalibrator(self._num_bits, self._axis, self._unsigned)
+            return calib.HistogramCalibrator(self._num_bits, self._axis, self._unsigned,
+                                             signed_range=self._asymmetric)
         if method == "ema":
             return calib.EMAMaxCalibrator(self._num_bits, self._axis, self._unsigned)
         return calib.MinMaxCalibrator(self._num_bits, self._axis, self._unsigned)
