@@ -15,7 +15,8 @@ import torch.fx as fx
 from torch import nn
 
 from lq.export._rules import ort_prefers_float_conv
-from lq.glue._rules import FLOAT_READER_FUNCTIONS, FLOAT_READER_METHODS, FLOAT_READER_MODULES, OUTPUT_LAYERS
+from lq.glue._rules import (FLOAT_READER_FUNCTIONS, FLOAT_READER_METHODS, FLOAT_READER_MODULES, FOLDED_NORMS,
+                            OUTPUT_LAYERS)
 
 ATTR = "_output_quantizer"
 _HOOK_ID = "_lq_output_hook"
@@ -58,12 +59,6 @@ def _reader(node: fx.Node, parent: nn.Module, quantized=_never) -> str | None:
     if node.op == "call_method" and node.target in FLOAT_READER_METHODS:
         return node.target
     return None
-
-
-#: a BatchNorm right after the conv folds into it in the file, so the quantizer goes on the BatchNorm's output
-#: (``conv -> bn -> Q``, which the export makes ``conv' -> Q``): quantizing the conv's output before a float
-#: BatchNorm would be a different model from the file
-FOLDED_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 def _folded_norm(node: fx.Node, parent: nn.Module) -> fx.Node | None:

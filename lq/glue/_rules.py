@@ -99,6 +99,10 @@ JOIN_KINDS = frozenset({"add", "mul"})
 #: already, so a Linear before GELU/LayerNorm keeps its integer kernel without one (an output quantizer there
 #: only added a Q/DQ pair and its rounding: 0.06 of 0.61 ms on the bench transformer).
 OUTPUT_LAYERS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+#: a BatchNorm right after such a layer folds into it in the file, so the output quantizer goes on the BatchNorm's
+#: output (``conv -> bn -> Q``, which the export makes ``conv' -> Q``): quantizing the conv's output before a
+#: float BatchNorm would be a different model from the file
+FOLDED_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
 
 #: readers that take a float input and have no quantizer of their own: normalizations and smooth activations
 #: (ReLU/ReLU6 are not here: the export moves a quantizer across them exactly, so a quantized reader after
