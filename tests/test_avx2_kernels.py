@@ -185,3 +185,22 @@ def test_make_test_avx2_runs_a_test_file_in_the_emulator():
                          cwd=root, capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "1 passed" in out.stdout and "TCG" not in out.stderr
+
+
+def test_library_style_cnn_on_the_onnxruntime_recipe_gives_pytorchs_numbers_on_avx2(tmp_path):
+    """Depthwise convs, SiLU and squeeze-excite as QLinearSigmoid/QLinearMul, Sequential(conv, bn, act) blocks:
+    int8_onnxruntime's uint8 x 7-bit kernels on the AVX2-only CPU, judged by the export's own rule."""
+    from test_asymmetric import TinyEfficientNet, _trained_bn
+
+    torch.manual_seed(0)
+    x = torch.randn(96, 4, 16, 16)
+    m = _trained_bn(TinyEfficientNet(), x)
+    QuantSwap(Int8OnnxruntimeConfig()).swap(m)
+    with torch.no_grad():
+        calibrate_model(m, list(x[:64].split(16)))
+    res = export_onnx(m, x[:8], str(tmp_path / "cnn.onnx"))
+    test = x[64:]
+    with torch.no_grad():
+        want = m(test).numpy()
+    (got,) = first_outputs_on_avx2([(res.path, {res.input_names[0]: test.numpy()})])
+    assert not res.judge([got], [want]), f"{CPU}: {res.judge([got], [want])}"
