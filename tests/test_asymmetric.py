@@ -102,6 +102,23 @@ def test_setting_amax_moves_the_range_and_the_grid_beats_the_symmetric_one():
     assert q.min_range is None
 
 
+def test_float64_inputs_quantize_on_the_same_grid_in_float64():
+    """As the symmetric grid does (and pytorch-quantization's kernels): float64 runs the reference arithmetic in
+    float64, so verification can run a whole model in float64. Reference: the grid written out by hand."""
+    x = _skewed()
+    q = _calibrated(QuantDescriptor(asymmetric=True, narrow_range=False), x, "max")
+    lo, hi = float(q.min_range), float(q.max_range)
+    step = (hi - lo) / 255
+    zp = round(lo / step)  # the grid is step * (zp + 0..255)
+    xd = x.double()
+    with torch.no_grad():
+        got = q(xd)
+    want = torch.clamp(torch.round(xd / step), zp, zp + 255) * step
+    assert got.dtype == torch.float64 and torch.allclose(got, want, rtol=0, atol=1e-9 * step)
+    with torch.no_grad():
+        assert (q(x).double() - got).abs().max() <= 1e-6 * float(x.abs().max())  # float32: the same levels
+
+
 def test_asymmetric_refuses_what_an_affine_grid_cannot_be():
     for bad in ({"axis": 0}, {"unsigned": True}, {"learn_amax": True}, {"num_bits": (4, 3)}):
         with pytest.raises(ValueError, match="asymmetric=True is not allowed"):

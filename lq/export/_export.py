@@ -18,8 +18,8 @@ from torch.nn.utils.rnn import PackedSequence
 
 from lq.export import (_channel_affine, _dynamic_lstm, _finish, _float_convs, _float_twin, _fold_bn, _fold_constants,
                        _fp32_reference, _gelu_order, _int16, _kernel_report, _linear_gemm, _loop_ops, _loops, _lower,
-                       _matmul_nbits, _mean_first, _model_checks, _placement, _pool_first, _symbolic, _timing,
-                       _torch_onnx, _upsample, _verify)
+                       _matmul_nbits, _mean_first, _model_checks, _placement, _pool_first, _rounding_noise, _symbolic,
+                       _timing, _torch_onnx, _upsample, _verify)
 from lq.export._fold_bn import FoldRecord
 from lq.export._ir import ExportError, Graph, QuantNodeInfo, all_nodes, layer_name
 from lq.export._kernel_report import LayerKernel
@@ -388,6 +388,8 @@ def export_onnx(
                 by_output[i] = _verify.compare_output(out.name, o, r, steps[i], by_output.get(i))
         checks = list(by_output.values())
         if atol is None and not rtol:  # judged in output steps (see _verify: FAR_STEPS, FAR_FRACTION, TOP1_FRACTION)
+            if _verify.needs_noise(checks):  # beyond the fixed count: is that this model's own rounding noise?
+                _measure_rounding_noise(work, cases, checks)
             failed = _verify.step_verdict(checks)
         else:  # the user's bound on max|diff| wins; the step numbers are still reported
             tol = (atol or 0.0) + rtol * ref_max
@@ -439,6 +441,22 @@ def export_onnx(
         qdq_nodes=_count_qdq(proto), input_names=input_names, output_names=output_names, warnings=notes,
         export_seconds=export_seconds, uint8_weights=u8_weights, layer_kernels=kernels,
         speedup=None if speed is None else speed.ratio, speed_check=speed)
+
+
+def _measure_rounding_noise(work, cases, checks) -> None:
+    """Add to ``checks`` how far PyTorch's own output moves under rounding-level noise (see
+    :mod:`lq.export._rounding_noise`) on the verification inputs."""
+    def run(inputs):
+        return lambda m: [o.detach().float().numpy() for o in _torch_onnx.flatten_out(m(*inputs))]
+
+    for seed, (inputs, refs) in enumerate(cases):
+        with _model_checks.export_mode(work):
+            noisy = _rounding_noise.noisy_outputs(work, run(inputs), seed)
+        if noisy is None:
+            return
+        for c, n, r in zip(checks, noisy, refs):
+            if c.step > 0:
+                _verify.add_noise(c, n, r)
 
 
 def _check_speed_batch(speed_batch, tensors, dims) -> None:

@@ -204,6 +204,13 @@ FAR_FRACTION = 0.01
 #: logits to rounding and the argmax of two equal values is arbitrary.
 TOP1_FRACTION = 0.01
 TIE_STEPS = 2 * FAR_STEPS
+#: A model whose own output moves by many steps under rounding-level noise (see :mod:`lq.export._rounding_noise`:
+#: every activation quantizer's input moved by up to 1% of its step) cannot meet FAR_FRACTION with any runtime:
+#: such an output is allowed FAR_FRACTION plus NOISE_FACTOR times the fraction beyond FAR_STEPS that the noise
+#: itself gives. Measured (EfficientNet-style, 16 MBConv blocks, 256 test digits, int8_onnxruntime): the file
+#: 24.1% beyond 6 steps, PyTorch under the noise 21.6% (0.1% noise: 11.4%; FP32 vs fake quant: 20.5%), top-1
+#: equal on every row but one tie; on the shallow nets above the noise gives 0-0.1%, so their rule is unchanged.
+NOISE_FACTOR = 2.0
 #: An output that no quantized op produces has no step in the graph: one step is then this fraction of its
 #: largest magnitude (FAR_STEPS of it: 6%, about the 5% of max|output| verification used before it counted).
 UNSTEPPED_FRACTION = 0.01
@@ -235,6 +242,29 @@ class OutputCheck:
     rows: int = 0
     top1_differ: int = 0
     top1_ties: int = 0
+    noise_elements: int = 0
+    noise_far: int = 0
+    noise_rows: int = 0
+    noise_top1_differ: int = 0
+
+    @property
+    def noise_frac_far(self) -> float | None:
+        """Fraction of the output beyond FAR_STEPS when PyTorch itself runs under rounding-level noise (None: not
+        measured, the file was within FAR_FRACTION without it)."""
+        return self.noise_far / self.noise_elements if self.noise_elements else None
+
+    @property
+    def allowed_top1(self) -> float:
+        """The fraction of rows whose top-1 class may differ beyond a tie: TOP1_FRACTION, plus NOISE_FACTOR times
+        the fraction that the model's own rounding noise flips where that was measured (an untrained or barely
+        decided classifier flips some under any runtime)."""
+        return TOP1_FRACTION + NOISE_FACTOR * (self.noise_top1_differ / self.noise_rows if self.noise_rows else 0.0)
+
+    @property
+    def allowed_far(self) -> float:
+        """The fraction of elements allowed beyond FAR_STEPS: FAR_FRACTION, plus NOISE_FACTOR times what the
+        model's own rounding noise gives where that was measured."""
+        return FAR_FRACTION + NOISE_FACTOR * (self.noise_frac_far or 0.0)
 
     @property
     def max_steps(self) -> float:
@@ -262,6 +292,11 @@ class OutputCheck:
         s = (f"{self.name}: step {self.step:.3g}{'' if self.from_graph else ' (no quantizer: 1% of max|output|)'}, "
              f"of {self.elements} elements {self.frac_1:.2%} beyond 1 step, {self.frac_2:.2%} beyond 2, "
              f"{self.frac_far:.2%} beyond {FAR_STEPS:g}; max {self.max_steps:.3g} steps ({self.max_diff:.3g})")
+        if self.noise_elements:
+            s += (f"; PyTorch itself under rounding-level noise: {self.noise_frac_far:.2%} beyond {FAR_STEPS:g} "
+                  f"(allowed {100 * self.allowed_far:.3g}%)")
+            if self.noise_rows:
+                s += f" and top-1 moved on {self.noise_top1_differ} of {self.noise_rows} rows"
         if self.rows:
             s += f", top-1 differs on {self.top1_differ} of {self.rows} rows" + (
                 f" (+{self.top1_ties} tie(s))" if self.top1_ties else "")
@@ -302,9 +337,39 @@ def compare_output(name: str, got: np.ndarray, want: np.ndarray, step: float,
     return into
 
 
+def far_elements(got: np.ndarray, want: np.ndarray, step: float) -> int:
+    """How many elements of ``got`` are more than FAR_STEPS steps from ``want`` (float noise is not a step)."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    d = np.abs(got - want)
+    d = np.where(np.isnan(got) & np.isnan(want), 0.0, np.where(np.isnan(d), np.inf, d))
+    tiny = 1e-6 * (float(np.abs(want).max()) if want.size else 0.0)
+    return int((d > FAR_STEPS * step + tiny).sum())
+
+
+def add_noise(check: OutputCheck, noisy: np.ndarray, want: np.ndarray) -> OutputCheck:
+    """Count, into ``check``, how far PyTorch's output under rounding-level noise (``noisy``) is from its own
+    ``want``, in the check's steps."""
+    check.noise_elements += int(np.asarray(want).size)
+    check.noise_far += far_elements(noisy, want, check.step)
+    if check.rows:  # a class axis: how many of the noisy model's top-1 classes move beyond a tie
+        moved = compare_output(check.name, noisy, want, check.step)
+        check.noise_rows += moved.rows
+        check.noise_top1_differ += moved.top1_differ
+    return check
+
+
+def needs_noise(checks: list[OutputCheck]) -> bool:
+    """True when an output is beyond FAR_FRACTION or TOP1_FRACTION: only then is the model's own rounding noise
+    measured."""
+    return any(c.step > 0 and (c.frac_far > FAR_FRACTION or (c.rows and c.top1_differ > TOP1_FRACTION * c.rows))
+               for c in checks)
+
+
 def step_verdict(checks: list[OutputCheck]) -> str:
     """``""`` when the file computes what PyTorch does up to rounding, else why not (per failing output): more
-    than FAR_FRACTION of an output's elements beyond FAR_STEPS, or its top-1 class differing (beyond a tie) on
+    than ``allowed_far`` of an output's elements beyond FAR_STEPS (FAR_FRACTION, more for a model whose own
+    rounding noise moves it further), or its top-1 class differing (beyond a tie) on
     more than TOP1_FRACTION of the rows."""
     why = []
     for c in checks:
@@ -312,11 +377,15 @@ def step_verdict(checks: list[OutputCheck]) -> str:
             if c.max_diff > 1e-6:
                 why.append(f"{c.name}: PyTorch's output is 0, onnxruntime's is up to {c.max_diff:.3g}")
             continue
-        if c.frac_far > FAR_FRACTION:
+        if c.frac_far > c.allowed_far:
             why.append(f"{c.name}: {c.frac_far:.2%} of its elements are more than {FAR_STEPS:g} output steps "
-                       f"({FAR_STEPS * c.step:.3g}) from PyTorch's, allowed {FAR_FRACTION:.0%}")
-        if c.rows and c.top1_differ > TOP1_FRACTION * c.rows:
+                       f"({FAR_STEPS * c.step:.3g}) from PyTorch's, allowed {100 * c.allowed_far:.3g}%" + (
+                           f" ({FAR_FRACTION:.0%} + {NOISE_FACTOR:g} x the {c.noise_frac_far:.2%} that PyTorch "
+                           "itself moves under rounding-level noise)" if c.noise_elements else ""))
+        if c.rows and c.top1_differ > c.allowed_top1 * c.rows:
             why.append(f"{c.name}: the top-1 class differs from PyTorch's on {c.top1_differ} of {c.rows} rows "
                        f"({c.top1_differ / c.rows:.1%}; ties within {TIE_STEPS:g} steps not counted), allowed "
-                       f"{TOP1_FRACTION:.0%}")
+                       f"{100 * c.allowed_top1:.3g}%" + (
+                           f" ({TOP1_FRACTION:.0%} + {NOISE_FACTOR:g} x the {c.noise_top1_differ} of {c.noise_rows} "
+                           "rows that PyTorch itself moves under rounding-level noise)" if c.noise_top1_differ else ""))
     return "; ".join(why)

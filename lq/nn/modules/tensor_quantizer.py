@@ -42,6 +42,7 @@ from torch import nn
 from lq import _checks, _reference
 from lq import tensor_quant as _tq
 from lq.nn.modules import _export_mode
+from lq._float64 import ops_for
 from lq.nn.modules.clip import clip
 from lq.tensor_quant import QuantDescriptor
 
@@ -626,9 +627,11 @@ class TensorQuantizer(nn.Module):
             out = torch.fake_quantize_per_tensor_affine(
                 x, step.reshape(()), (-zp).reshape(()).to(torch.int32), int(qmin), int(qmax))
             return out.to(inputs.dtype)
-        # the op directly: min < max was validated by set_range, no data-dependent check while tracing
-        _checks.check_input(inputs)
-        return torch.ops.lq.fake_affine_quant(inputs, lo, hi, self._num_bits)
+        # the op directly: min < max was validated by set_range, no data-dependent check while tracing; float64
+        # inputs run the reference arithmetic in float64, as the symmetric grid's do
+        _checks.check_input(inputs, allow_float64=True)
+        lo, hi = (lo.double(), hi.double()) if inputs.dtype == torch.float64 else (lo, hi)
+        return ops_for(inputs).fake_affine_quant(inputs, lo, hi, self._num_bits)
 
     def _quant_forward(self, inputs: torch.Tensor) -> torch.Tensor:
         if self._min_range is not None:
