@@ -99,7 +99,12 @@ def quantize_and_calibrate(model: nn.Module, batches, reduce_range: bool = False
     from lq.convert import quantize_model
 
     recipe = Int8ReduceRangeConfig() if reduce_range else QuantConfig()
-    quantize_model(model, quant_desc_weight=recipe.weight.to_descriptor() if reduce_range else None,
+    from lq.tensor_quant import QuantDescriptor
+
+    # descriptors (pytorch-quantization's per-layer path): the symmetric grids these tables compare, not the
+    # int8_onnxruntime recipe that quantize_model(model) applies when given none (bench.library times that one)
+    quantize_model(model, quant_desc_input=QuantDescriptor(),
+                   quant_desc_weight=recipe.weight.to_descriptor() if reduce_range else None,
                    unsigned_after_relu=recipe.unsigned_after_relu, recurrent=recurrent or recipe.recurrent)
     model.eval()
     with torch.no_grad():

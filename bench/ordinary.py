@@ -414,6 +414,7 @@ def run_minilm(fast: bool, d: str, log) -> dict:
     from lq.convert import quantize_model
     from lq.export import export_onnx
     from lq.export._verify import make_session
+    from lq.tensor_quant import QuantDescriptor
 
     model, tok = M.load_model()
     data = M.load_text(fast=fast)
@@ -441,7 +442,8 @@ def run_minilm(fast: bool, d: str, log) -> dict:
     M.export_fp32(model, paths[FP32_LEGACY], sentences, dynamic_sequence=True)  # quantize_static calibrates on it
     for name, rr in ((LQ_DEFAULT, False), (LQ_REDUCE, True)):
         q = M.SentenceEmbedding(copy.deepcopy(model)).eval()
-        quantize_model(q, quant_desc_weight=Int8ReduceRangeConfig().weight.to_descriptor() if rr else None)
+        quantize_model(q, quant_desc_input=QuantDescriptor(),  # the symmetric grids of this table (see lq_ptq)
+                       quant_desc_weight=Int8ReduceRangeConfig().weight.to_descriptor() if rr else None)
         with torch.no_grad():
             calibrate_model(q, calib, forward=lambda m, b: m(**b))
             row["acc"][name + " (PyTorch)"] = cosine(q(**sentences))

@@ -380,6 +380,28 @@ def summarize(model: nn.Module) -> QuantizationSummary:
 
 
 # ====================================================================== conversion
+def _quantize_with_recipe(model, recipe, target, *, type_map, include, exclude, overrides, glue,
+                          unsigned_after_relu, recurrent, activations) -> "QuantizationSummary":
+    """quantize_model without descriptors: the recipe (or the target's), changed by the arguments given."""
+    from dataclasses import replace
+
+    from lq import recipe as _recipe
+
+    if recipe is not None and target is not None:
+        raise ValueError("quantize_model: give recipe= or target= (which picks a recipe), not both")
+    cfg = _recipe.as_recipe(recipe, "quantize_model: recipe") if recipe is not None else \
+        _recipe.default_recipe(target or "onnxruntime")
+    changes = {k: v for k, v in (("glue", glue), ("unsigned_after_relu", unsigned_after_relu),
+                                 ("recurrent", recurrent), ("activations", activations)) if v is not None}
+    include = list(_as_patterns(include, "include"))
+    if include != ["*"]:  # the user's selection replaces the recipe's; excludes add up
+        changes["include"] = include
+    changes["exclude"] = list(cfg.exclude) + list(_as_patterns(exclude, "exclude"))
+    cfg = replace(cfg, **changes)
+    return _recipe.apply_recipe(model, cfg, type_map=None if type_map is None else _normalize_type_map(type_map),
+                                overrides=dict(_normalize_overrides(overrides)))
+
+
 @dataclass
 class _Target:
     module: nn.Module
@@ -399,15 +421,26 @@ def quantize_model(
     overrides=None,
     quant_desc_input=None,
     quant_desc_weight=None,
-    glue: bool = True,
-    unsigned_after_relu: bool = False,
-    recurrent: str = "scan",
-    activations: bool = False,
+    glue: bool | None = None,
+    unsigned_after_relu: bool | None = None,
+    recurrent: str | None = None,
+    activations: bool | None = None,
+    recipe=None,
+    target: str | None = None,
 ) -> QuantizationSummary:
     """Replace the float modules of ``model`` by quantized ones, in place.
 
+    With no descriptor (``quant_desc_input``/``quant_desc_weight``) the layers get a recipe: ``recipe`` (a name in
+    :data:`lq.config.RECIPES` or a :class:`lq.config.QuantConfig`), else the one for ``target``
+    (:data:`lq.recipe.TARGET_RECIPES`: ``int8_onnxruntime`` for onnxruntime, the default; ``int8_per_channel``,
+    pytorch-quantization's numbers, for tensorrt). The other arguments then change the recipe's choice. With a
+    descriptor, the layers get exactly what is given (and each class's default for the other role), as
+    pytorch-quantization's ``quant_modules`` does.
+
     Args:
         model: the model (modified in place; the root module itself is never replaced).
+        recipe: see above; not together with a descriptor.
+        target: ``onnxruntime`` or ``tensorrt``: picks the recipe when neither a recipe nor a descriptor is given.
         type_map: ``{float class: quantized class}`` (a value of None means lq's class for
             that type), or a list of float classes; default :data:`DEFAULT_TYPE_MAP`
             (every type lq can quantize). Matching is by exact type.
@@ -450,6 +483,17 @@ def quantize_model(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if quant_desc_input is None and quant_desc_weight is None:
+        return _quantize_with_recipe(model, recipe, target, type_map=type_map, include=include, exclude=exclude,
+                                     overrides=overrides, glue=glue, unsigned_after_relu=unsigned_after_relu,
+                                     recurrent=recurrent, activations=activations)
+    if recipe is not None or target is not None:
+        raise ValueError("quantize_model: give a recipe (recipe= or target=) or descriptors (quant_desc_input/"
+                         "quant_desc_weight), not both: a recipe sets both descriptors")
+    glue = True if glue is None else glue
+    unsigned_after_relu = bool(unsigned_after_relu)
+    recurrent = "scan" if recurrent is None else recurrent
+    activations = bool(activations)
     from lq.config import RECURRENT_MODES
 
     if recurrent not in RECURRENT_MODES:
@@ -571,7 +615,12 @@ def quantize_model(
         try:
             t.new = t.quant_cls.from_float(t.module, qi, qw)
             if recurrent == "dynamic" and isinstance(t.new, quant_nn.QuantLSTM):
-                t.new.set_runtime_dynamic(True)
+                if t.new.proj_size > 0:  # the fused op has no projection: this layer keeps the calibrated loop
+                    glue_notes.append(f"{t.name}: proj_size={t.new.proj_size}, which onnxruntime's fused "
+                                      "DynamicQuantizeLSTM cannot express: quantized with its input quantizers "
+                                      "(recurrent='scan') instead")
+                else:
+                    t.new.set_runtime_dynamic(True)
         except DescriptorTypeError:
             raise
         except Exception as e:  # noqa: BLE001 - re-raised with the layer's name

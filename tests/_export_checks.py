@@ -12,9 +12,10 @@ from lq.convert import quantize_model
 from lq.export import export_onnx
 
 
-def quantize_calibrate_export(model: torch.nn.Module, calib: list, path: str, **export_kw):
-    """``quantize_model`` + max calibration on ``calib`` + ``export_onnx``: (the result, the file's op types)."""
-    quantize_model(model)
+def quantize_calibrate_export(model: torch.nn.Module, calib: list, path: str, recipe=None, **export_kw):
+    """``quantize_model`` (``recipe``; None: the default) + max calibration on ``calib`` + ``export_onnx``: (the
+    result, the file's op types)."""
+    quantize_model(model, recipe=recipe)
     model.eval()
     with torch.no_grad():
         calibrate_model(model, calib, method="max")

@@ -23,6 +23,7 @@ import torch
 
 from _calib_reference import RefHistogram, entropy_amax, kl_at, mse_amax, percentile_amax
 from lq import calib
+from lq.tensor_quant import QuantDescriptor
 
 pytest.importorskip("sklearn")
 torch.set_flush_denormal(True)
@@ -147,10 +148,10 @@ def test_calibrate_model_bins_all_the_data_on_the_global_range(digits_model, met
 
     model, batches, acts = digits_model
     q = copy.deepcopy(model)
-    quantize_model(q)
+    quantize_model(q, quant_desc_input=QuantDescriptor())
     amax = calibrate_model(q, batches, method=method, percentile=99.99)
     from_generator = copy.deepcopy(model)
-    quantize_model(from_generator)
+    quantize_model(from_generator, quant_desc_input=QuantDescriptor())
     again = calibrate_model(from_generator, (b for b in batches), method=method, percentile=99.99)  # one-shot
     kwargs = {"percentile": 99.99} if method == "percentile" else {}
     for layer in LAYERS:
@@ -173,7 +174,7 @@ def test_calibrate_model_keeps_a_users_histogram_settings(digits_model):
 
     model, batches, acts = digits_model
     q = copy.deepcopy(model)
-    quantize_model(q)
+    quantize_model(q, quant_desc_input=QuantDescriptor())
     quantizer = q.get_submodule("conv2._input_quantizer")
     mine = calib.HistogramCalibrator(8, skip_zeros=True)
     quantizer.calibrator = mine

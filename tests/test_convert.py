@@ -64,7 +64,7 @@ def test_quantize_model_converts_in_place_keeping_state():
     params = {n: p for n, p in model.named_parameters()}
     buffers = {n: b for n, b in model.named_buffers()}
     keys = set(model.state_dict())
-    summary = quantize_model(model, exclude=["head.2"])
+    summary = quantize_model(model, exclude=["head.2"], quant_desc_input=QuantDescriptor())
     assert isinstance(model.stem[0], quant_nn.QuantConv2d)
     assert isinstance(model.body[2], quant_nn.QuantMaxPool2d)
     assert isinstance(model.pool, quant_nn.QuantAdaptiveAvgPool2d)
@@ -86,11 +86,11 @@ def test_excluded_layer_output_bit_identical():
     model = Net().eval()
     x = torch.randn(5, 16)
     ref = model.head[2](x)
-    quantize_model(model, exclude=["head.2"])
+    quantize_model(model, exclude=["head.2"], quant_desc_input=QuantDescriptor())
     assert torch.equal(model.head[2](x), ref)
     # excluding a parent leaves everything inside it float
     model = Net()
-    quantize_model(model, exclude=["head"])
+    quantize_model(model, exclude=["head"], quant_desc_input=QuantDescriptor())
     assert type(model.head[0]) is nn.Linear and type(model.head[2]) is nn.Linear
     assert isinstance(model.stem[0], quant_nn.QuantConv2d)
 
@@ -99,7 +99,7 @@ def test_converted_model_output_equals_fake_quant_reference():
     model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).eval()
     x = torch.randn(2, 2, 6, 6)
     c, lin = model[0], model[3]
-    quantize_model(model)
+    quantize_model(model, quant_desc_input=QuantDescriptor())
 
     def fq(t, axis=None):
         amax = t.abs().amax() if axis is None else t.abs().amax(dim=tuple(range(1, t.dim())), keepdim=True)
@@ -112,20 +112,20 @@ def test_converted_model_output_equals_fake_quant_reference():
 
 def test_include_globs_and_type_map():
     model = Net()
-    summary = quantize_model(model, include=["body.*"], type_map=[nn.Conv2d])
+    summary = quantize_model(model, include=["body.*"], type_map=[nn.Conv2d], quant_desc_input=QuantDescriptor())
     assert summary.quantized == ["body.0"]
     assert type(model.stem[0]) is nn.Conv2d and type(model.body[2]) is nn.MaxPool2d
     # a single string pattern is one glob, not a list of characters
     model = Net()
-    assert quantize_model(model, include="head*").quantized == ["head.0", "head.2"]
+    assert quantize_model(model, include="head*", quant_desc_input=QuantDescriptor()).quantized == ["head.0", "head.2"]
 
 
 def test_idempotent_second_call_changes_nothing():
     model = Net()
-    quantize_model(model)
+    quantize_model(model, quant_desc_input=QuantDescriptor())
     mods = [m for m in model.modules()]
     amax_before = [(n, q.amax) for n, q in iter_quantizers(model)]
-    s2 = quantize_model(model)
+    s2 = quantize_model(model, quant_desc_input=QuantDescriptor())
     assert [m for m in model.modules()] == mods
     assert [(n, q.amax) for n, q in iter_quantizers(model)] == amax_before
     assert s2.quantized == [] and all(layer.status == "already quantized" for layer in s2)
@@ -153,18 +153,18 @@ def test_overrides_and_global_descriptors():
 def test_shared_module_converted_once_everywhere():
     shared = nn.Linear(4, 4)
     model = nn.ModuleDict({"a": nn.Sequential(shared, nn.ReLU()), "b": nn.Sequential(shared)})
-    summary = quantize_model(model)
+    summary = quantize_model(model, quant_desc_input=QuantDescriptor())
     assert model["a"][0] is model["b"][0]
     assert isinstance(model["a"][0], quant_nn.QuantLinear) and model["a"][0].weight is shared.weight
     assert summary.quantized == ["a.0"]
     with pytest.raises(ConversionError, match="shared"):
         m2 = nn.ModuleDict({"a": nn.Sequential(shared), "b": nn.Sequential(shared)})
-        quantize_model(m2, exclude=["b"])
+        quantize_model(m2, exclude=["b"], quant_desc_input=QuantDescriptor())
 
 
 def test_train_mode_and_lstm_mha_conversion():
     model = nn.ModuleDict({"rnn": nn.LSTM(4, 8, batch_first=True), "att": nn.MultiheadAttention(8, 2)}).train()
-    quantize_model(model)
+    quantize_model(model, quant_desc_input=QuantDescriptor())
     assert isinstance(model["rnn"], quant_nn.QuantLSTM) and isinstance(model["att"], quant_nn.QuantMultiheadAttention)
     assert all(m.training for m in model.modules())
     assert isinstance(model["att"].out_proj, quant_nn.QuantLinear)
@@ -173,7 +173,7 @@ def test_train_mode_and_lstm_mha_conversion():
 # ---------------------------------------------------------------- summary
 def test_summary_rows_table_and_summarize_after_calibration():
     model = Net()
-    summary = quantize_model(model, exclude=["pool"])
+    summary = quantize_model(model, exclude=["pool"], quant_desc_input=QuantDescriptor())
     assert isinstance(summary, QuantizationSummary)
     rows = summary.rows()
     by = {r["name"]: r for r in rows}
@@ -199,7 +199,7 @@ def test_summary_rows_table_and_summarize_after_calibration():
 
 def test_iter_quantizers_names():
     model = Net()
-    quantize_model(model)
+    quantize_model(model, quant_desc_input=QuantDescriptor())
     names = [n for n, _ in iter_quantizers(model)]
     assert "stem.0._input_quantizer" in names and "stem.0._weight_quantizer" in names
     assert "pool._input_quantizer" in names
@@ -212,7 +212,7 @@ def test_dequantize_model_restores_float_modules():
     ref = model(x)
     params = {n: p for n, p in model.named_parameters()}
     keys = set(model.state_dict())
-    quantize_model(model)
+    quantize_model(model, quant_desc_input=QuantDescriptor())
     assert not torch.equal(model(x), ref)
     dequantize_model(model)
     assert type(model.stem[0]) is nn.Conv2d and type(model.pool) is nn.AdaptiveAvgPool2d
@@ -259,17 +259,17 @@ def test_failure_while_building_leaves_model_untouched():
     model = Net()
     snap = snapshot(model)
     with pytest.raises(ConversionError, match="'head.2'.*boom"):
-        quantize_model(model, type_map={nn.Conv2d: None, nn.Linear: Boom})
+        quantize_model(model, type_map={nn.Conv2d: None, nn.Linear: Boom}, quant_desc_input=QuantDescriptor())
     assert_same(model, snap)
 
 
 def test_root_module_cannot_be_replaced():
     lin = nn.Linear(2, 2)
     with pytest.raises(ConversionError, match="from_float"):
-        quantize_model(lin)
+        quantize_model(lin, quant_desc_input=QuantDescriptor())
     assert type(lin) is nn.Linear
     with pytest.raises(TypeError):
-        quantize_model("model")
+        quantize_model("model", quant_desc_input=QuantDescriptor())
 
 
 def test_default_type_map_covers_every_quant_class():
@@ -284,7 +284,7 @@ def test_default_type_map_covers_every_quant_class():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_conversion_keeps_cuda_device():
     model = Net().cuda()
-    quantize_model(model)
+    quantize_model(model, quant_desc_input=QuantDescriptor())
     for _, q in iter_quantizers(model):
         q.amax = 1.0
         assert q.amax.is_cuda
@@ -384,7 +384,7 @@ def test_models_built_under_initialize_match_conversion(clean_torch_nn):
         a = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2))
     torch.manual_seed(0)
     b = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2))
-    quantize_model(b)
+    quantize_model(b, quant_desc_input=QuantDescriptor())
     assert [type(m) for m in a] == [type(m) for m in b]
     x = torch.randn(1, 1, 4, 4)
     assert torch.equal(a(x), b(x))

@@ -29,6 +29,7 @@ from lq.export import ExportError, export_onnx
 from lq.export._ir import all_nodes
 from lq.nn.modules._runtime_dynamic import runtime_dynamic_fake_quant
 from lq.zoo import DigitsDataModule, SmallCNN
+from lq.tensor_quant import QuantDescriptor
 
 ort = pytest.importorskip("onnxruntime")
 torch.set_flush_denormal(True)
@@ -245,7 +246,7 @@ def test_export_with_per_tensor_weights_no_bias_and_a_given_state(tmp_path):
 
 def test_an_unrolled_lstm_says_why_its_length_is_fixed_and_a_packed_sample_is_refused(tmp_path):
     model = _Tagger()
-    quantize_model(model)  # the Scan form, which only the current exporter writes as a loop
+    quantize_model(model, quant_desc_input=QuantDescriptor())  # the Scan form, which only the current exporter writes as a loop
     x = _digit_rows(64)
     with torch.no_grad():
         calibrate_model(model.eval(), [x], method="max")
@@ -261,7 +262,7 @@ def test_an_unrolled_lstm_says_why_its_length_is_fixed_and_a_packed_sample_is_re
 
 def test_export_refuses_runtimes_and_exporters_without_the_op(tmp_path):
     model = _Tagger()
-    quantize_model(model, recurrent="dynamic")
+    quantize_model(model, recurrent="dynamic", quant_desc_input=QuantDescriptor())
     x = _digit_rows(64)
     with torch.no_grad():
         calibrate_model(model.eval(), [x], method="max")

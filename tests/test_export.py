@@ -72,7 +72,7 @@ def _quantized(model, per_channel=True, **kw):
     from lq.convert import quantize_model
 
     wdesc = None if per_channel else {"num_bits": 8, "axis": None}
-    quantize_model(model, quant_desc_weight=wdesc, **kw)
+    quantize_model(model, **({"quant_desc_weight": wdesc} if wdesc else {"quant_desc_input": QuantDescriptor()}), **kw)
     model.eval()
     batches = [torch.randn(16, 3, 8, 8) for _ in range(2)]
     with torch.no_grad():
@@ -434,7 +434,7 @@ def _pnet():
     from lq.calibration import calibrate_model
     from lq.convert import quantize_model
 
-    quantize_model(m)
+    quantize_model(m, quant_desc_input=QuantDescriptor())
     m.eval()
     with torch.no_grad():
         calibrate_model(m, [torch.randn(4, 3, 24, 24) for _ in range(2)], method="max")
@@ -543,7 +543,7 @@ def test_a_mean_exports_at_a_requested_opset_17_without_a_warning(tmp_path):
 
     x = torch.randn(4, 3, 16, 16)
     model = MeanNet().eval()
-    quantize_model(model)
+    quantize_model(model, quant_desc_input=QuantDescriptor())
     with torch.no_grad():
         calibrate_model(model, [x], method="max")
     res = export_onnx(model, x, str(tmp_path / "m.onnx"), opset=17)
@@ -561,7 +561,7 @@ def _calibrated_encoder():
     torch.manual_seed(0)
     model = nn.Sequential(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), nn.Linear(32, 5)).eval()
     x = torch.randn(4, 7, 32)
-    quantize_model(model)
+    quantize_model(model, quant_desc_input=QuantDescriptor())
     with torch.no_grad():
         calibrate_model(model, [x], method="max")
     return model, x

@@ -23,6 +23,7 @@ from lq.calibration import calibrate_model
 from lq.convert import quantize_model
 from lq.export import export_onnx
 from lq.export._ir import all_nodes
+from lq.tensor_quant import QuantDescriptor
 
 ort = pytest.importorskip("onnxruntime")
 torch.set_flush_denormal(True)
@@ -79,7 +80,7 @@ class Seq(nn.Module):
 
 
 def _quantized(model, batch_first, seed=0):
-    quantize_model(model)
+    quantize_model(model, quant_desc_input=QuantDescriptor())
     model.eval()
     g = torch.Generator().manual_seed(seed)
     shape = (4, 9, 5) if batch_first else (9, 4, 5)
@@ -107,7 +108,7 @@ class Proj(nn.Module):
 
 def _calibrated_proj(**kw) -> nn.Module:
     model = Proj(**kw)
-    quantize_model(model)
+    quantize_model(model, quant_desc_input=QuantDescriptor())
     model.eval()
     with torch.no_grad():
         calibrate_model(model, [torch.randn(4, 9, 5) for _ in range(2)], method="max")
@@ -291,7 +292,7 @@ def test_an_lstm_the_loop_cannot_express_is_exported_unrolled_and_says_so(tmp_pa
             return self.rnn(x)[0]
 
     model = Net()
-    quantize_model(model)
+    quantize_model(model, quant_desc_input=QuantDescriptor())
     model.eval()
     # a dynamic input quantizer quantizes [x_t | h_{t-1}] with one amax of both: not expressible per step
     model.rnn._input_quantizers[0] = quant_nn.TensorQuantizer(tq.QuantDescriptor(dynamic=True))

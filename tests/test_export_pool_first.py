@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
@@ -20,6 +21,7 @@ from lq.config import QuantizerConfig
 from lq.convert import quantize_model
 from lq.export import export_onnx
 from lq.export._pool_first import pool_before_activations
+from lq.tensor_quant import QuantDescriptor
 
 from _export_checks import LEVELS, rewritten, run_graph
 
@@ -116,7 +118,10 @@ def test_export_pools_before_prelu_and_equals_pytorch(tmp_path, negative, narrow
     torch.manual_seed(0)
     slopes = [0.1, 0.2, 0.25, 0.3, 0.05, 0.4, 0.15, -0.2 if negative else 0.35]
     model = PNetShape(slopes)
-    quantize_model(model, quant_desc_input=QuantizerConfig().to_descriptor() if narrow else None)
+    # pytorch-quantization's symmetric grids: the pool's quantizer and the next conv's have one grid under max
+    # calibration, so the pool may move above both (an asymmetric recipe's differ after a pool: see the test below)
+    quantize_model(model, **({"quant_desc_input": QuantizerConfig().to_descriptor()} if narrow else
+                             {"quant_desc_input": QuantDescriptor()}))
     model.eval()
     calib = [2 * torch.randn(8, 4, 21, 21, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
     with torch.no_grad():
@@ -137,4 +142,29 @@ def test_export_pools_before_prelu_and_equals_pytorch(tmp_path, negative, narrow
     sess = ort.InferenceSession(res.path, providers=["CPUExecutionProvider"])
     got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
     # exact rewrites only: what is left is float summation order in the convs (no quantizer reads c3's output)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max() + 1e-5
+
+
+def test_the_pool_stays_between_two_quantizers_on_different_grids(tmp_path):
+    """The default (asymmetric) recipe: the pool's input quantizer and the next conv's have different ranges
+    after max pooling (the pool raises the minimum). Moved above both, their Q -> DQ -> Q -> DQ would sit side by
+    side, and onnxruntime merges such a pair into one rounding (DoubleQDQPairsRemover) where PyTorch rounds twice:
+    99.6% of a LeakyReLU net's outputs moved by up to 2% of the range. The pool stays, and the file is exact."""
+    torch.manual_seed(0)
+    model = PNetShape([0.1, 0.2, 0.25, 0.3, 0.05, 0.4, 0.15, 0.35])
+    quantize_model(model)  # int8_onnxruntime
+    model.eval()
+    calib = [2 * torch.randn(8, 4, 21, 21, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    with torch.no_grad():
+        calibrate_model(model, calib, method="max")
+    a, b = model.pool._input_quantizer, model.c2._input_quantizer
+    assert float(a.min_range) < float(b.min_range)  # two grids: the case the move must not merge
+    res = export_onnx(model, calib[0], str(tmp_path / "p.onnx"))
+    ops = [n.op_type for n in onnx.load(res.path).graph.node]
+    assert ops.index("PRelu") < ops.index("MaxPool"), ops
+    x = 2 * torch.randn(8, 4, 21, 21, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model(x).numpy()
+    sess = ort.InferenceSession(res.path, providers=["CPUExecutionProvider"])
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max() + 1e-5

@@ -19,6 +19,7 @@ from lq.convert import dequantize_model, quantize_model
 from lq.export import export_onnx
 from lq.glue import GlueQuantized
 from lq.tensor_quant import fake_tensor_quant
+from lq.tensor_quant import QuantDescriptor
 
 from _models import BNBlock
 
@@ -78,7 +79,7 @@ def test_plain_add_and_cat_are_quantized_without_model_changes():
     torch.manual_seed(0)
     m = Net().eval()
     params = {n: id(p) for n, p in m.named_parameters()}
-    summary = quantize_model(m)
+    summary = quantize_model(m, quant_desc_input=QuantDescriptor())
     assert {n: id(p) for n, p in m.named_parameters()} == params  # the same Parameter objects
     assert isinstance(m.block, Block) and isinstance(m.block, GlueQuantized) and m.block.channels() == 8
     assert {"block.lq_glue.add_0", "lq_glue.cat_0"} <= set(summary.quantized)
@@ -104,7 +105,7 @@ def test_plain_add_and_cat_are_quantized_without_model_changes():
 def test_attention_matmuls_get_one_quantizer_per_operand_and_parameter_add_stays_float():
     torch.manual_seed(0)
     m = Attention().eval()
-    summary = quantize_model(m)
+    summary = quantize_model(m, quant_desc_input=QuantDescriptor())
     glue = [n for n in summary.quantized if ".lq_glue." in n or n.startswith("lq_glue.")]
     assert glue == ["lq_glue.matmul_0", "lq_glue.matmul_1"]
     assert summary["lq_glue.matmul_0"].num_quantizers == 2 and summary["lq_glue.matmul_0"].type == "a @ b"
@@ -123,14 +124,14 @@ def test_attention_matmuls_get_one_quantizer_per_operand_and_parameter_add_stays
 def test_second_call_is_idempotent_and_state_dict_round_trips():
     torch.manual_seed(0)
     m = Net().eval()
-    quantize_model(m)
+    quantize_model(m, quant_desc_input=QuantDescriptor())
     x = torch.randn(4, 3, 12, 12)
     calibrate_model(m, [x])
-    again = quantize_model(m)
+    again = quantize_model(m, quant_desc_input=QuantDescriptor())
     assert again.quantized == []
     assert {r.name for r in again if r.status == "already quantized"} >= {"block.lq_glue.add_0_a", "lq_glue.cat_0_b"}
     fresh = Net().eval()
-    quantize_model(fresh)
+    quantize_model(fresh, quant_desc_input=QuantDescriptor())
     fresh.load_state_dict(m.state_dict())  # strict: the same keys, glue quantizers included
     with torch.no_grad():
         torch.testing.assert_close(fresh(x), m(x))
@@ -140,7 +141,7 @@ def test_dequantize_restores_the_float_model():
     torch.manual_seed(0)
     m = Net().eval()
     ref = copy.deepcopy(m)
-    quantize_model(m)
+    quantize_model(m, quant_desc_input=QuantDescriptor())
     calibrate_model(m, [torch.randn(2, 3, 12, 12)])
     dequantize_model(m)
     assert type(m.block) is Block and "lq_glue" not in m.block._modules and "lq_glue" not in m._modules
@@ -151,10 +152,10 @@ def test_dequantize_restores_the_float_model():
 
 def test_glue_false_and_exclude_leave_the_forward_alone():
     m = Net().eval()
-    quantize_model(m, glue=False)
+    quantize_model(m, glue=False, quant_desc_input=QuantDescriptor())
     assert not isinstance(m.block, GlueQuantized) and "lq_glue" not in m._modules
     m2 = Net().eval()
-    quantize_model(m2, exclude=["block.lq_glue.*"])
+    quantize_model(m2, exclude=["block.lq_glue.*"], quant_desc_input=QuantDescriptor())
     assert not isinstance(m2.block, GlueQuantized) and isinstance(m2, GlueQuantized)
 
 
@@ -196,7 +197,7 @@ def test_a_module_lq_cannot_analyse_keeps_working_and_is_named(cls, why):
     torch.manual_seed(0)
     m = cls().eval()
     ref = copy.deepcopy(m)
-    summary = quantize_model(m)
+    summary = quantize_model(m, quant_desc_input=QuantDescriptor())
     assert not isinstance(m, GlueQuantized)
     note = [n for n in summary.notes if "stays float" in n]
     assert len(note) == 1 and f"({cls.__name__})" in note[0] and why in note[0]
@@ -214,7 +215,7 @@ def test_export_runs_plain_add_as_integer_add_and_fuses_the_convs(tmp_path):
     pytest.importorskip("onnxruntime")
     torch.manual_seed(0)
     m = Net().eval()
-    quantize_model(m)
+    quantize_model(m, quant_desc_input=QuantDescriptor())
     x = torch.randn(4, 3, 12, 12)
     calibrate_model(m, [x])
     res = export_onnx(m, x, str(tmp_path / "m.onnx"))  # verified against PyTorch inside
@@ -253,7 +254,7 @@ def test_residual_operand_shares_the_next_conv_quantizer_and_the_pool_is_quantiz
     pytest.importorskip("onnxruntime")
     torch.manual_seed(0)
     m = _trained_bn(TinyResNet())
-    summary = quantize_model(m)
+    summary = quantize_model(m, quant_desc_input=QuantDescriptor())
     blk = m.blocks[1]
     assert sorted(blk.lq_glue.keys()) == ["add_0_a"]
     assert summary["blocks.1.lq_glue.add_0"].num_quantizers == 2
@@ -356,7 +357,7 @@ def test_layers_read_by_float_ops_get_output_quantizers_and_fuse(tmp_path):
     pytest.importorskip("onnxruntime")
     torch.manual_seed(0)
     m = NormAfterConv().eval()
-    summary = quantize_model(m)
+    summary = quantize_model(m, quant_desc_input=QuantDescriptor())
     assert "conv._output_quantizer" in summary.quantized
     # a Linear keeps its integer kernel with a float output (onnxruntime's QGemm / MatMulIntegerToFloat)
     assert "mlp.0._output_quantizer" not in summary.quantized
@@ -396,7 +397,7 @@ def test_convs_read_by_prelu_or_leaky_relu_get_no_output_quantizer(tmp_path):
     pytest.importorskip("onnxruntime")
     torch.manual_seed(0)
     m = SlopeAfterConv().eval()
-    summary = quantize_model(m)
+    summary = quantize_model(m, quant_desc_input=QuantDescriptor())
     assert not [n for n in summary.quantized if n.endswith("_output_quantizer")], summary.quantized
     x = torch.randn(4, 4, 10, 10)
     calibrate_model(m, [x], method="max")
@@ -426,7 +427,7 @@ def test_scaled_dot_product_attention_gets_both_matmuls_quantized(tmp_path):
     torch.manual_seed(0)
     m = SDPABlock().eval()
     ref = copy.deepcopy(m)
-    summary = quantize_model(m)
+    summary = quantize_model(m, quant_desc_input=QuantDescriptor())
     assert summary["lq_glue.attention_0"].type == "scaled_dot_product_attention"
     assert sorted(m.lq_glue.keys()) == ["attention_0_k", "attention_0_probs", "attention_0_q", "attention_0_v"]
     x = torch.randn(3, 5, 16)
@@ -478,7 +479,7 @@ def test_adds_only_float_ops_read_stay_float(tmp_path):
     torch.manual_seed(0)
     m = PreNorm().eval()
     ref = copy.deepcopy(m)
-    summary = quantize_model(m)
+    summary = quantize_model(m, quant_desc_input=QuantDescriptor())
     assert not [n for n in summary.quantized if "lq_glue" in n] and not isinstance(m, GlueQuantized)
     x = torch.randn(4, 6, 16)
     calibrate_model(m, [x])
@@ -490,7 +491,7 @@ def test_adds_only_float_ops_read_stay_float(tmp_path):
     kernels = {k.layer: k.kernel for k in res.layer_kernels}
     assert all(kernels[n] in ("QGemm", "MatMulIntegerToFloat") for n in ("f1", "f2", "head")), kernels
     m2 = PreNorm(pool=False).eval()
-    summary = quantize_model(m2)
+    summary = quantize_model(m2, quant_desc_input=QuantDescriptor())
     # the last add feeds the head (a quantized Linear), and the first one feeds that add's operand quantizer
     assert [n for n in summary.quantized if "lq_glue" in n] == ["lq_glue.add_0", "lq_glue.add_1"]
     assert sorted(m2.lq_glue.keys()) == ["add_0_a", "add_0_b", "add_1_a", "add_1_b"]

@@ -19,6 +19,7 @@ from torch import nn
 
 from lq.export import export_onnx
 from lq.export._int16 import INT16_MAX, int16_risks, worst_pair_per_channel
+from lq.tensor_quant import QuantDescriptor
 
 from _avx2 import pmaddubsw_dot
 from _models import DigitsTransformer
@@ -93,7 +94,7 @@ def _calibrated(model, batches):
     from lq.calibration import calibrate_model
     from lq.convert import quantize_model
 
-    quantize_model(model)
+    quantize_model(model, quant_desc_input=QuantDescriptor())
     model.eval()
     with torch.no_grad():
         calibrate_model(model, batches, method="max")

@@ -178,7 +178,7 @@ def test_float_add_cat_convert():
     model = nn.ModuleDict({"add": quant_nn.FloatAdd(), "cat": quant_nn.FloatCat(dim=-1)})
     a, b = torch.randn(3, 4), torch.randn(3, 4)
     assert torch.equal(model["add"](a, b), a + b)
-    quantize_model(model)
+    quantize_model(model, quant_desc_input=QuantDescriptor())
     assert isinstance(model["add"], quant_nn.QuantAdd) and isinstance(model["cat"], quant_nn.QuantCat)
     assert model["cat"].dim == -1
     amax = torch.cat([a, b]).abs().max()
@@ -316,7 +316,7 @@ def test_mha_in_transformer_layer_is_not_bypassed_by_fast_path():
 
     layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True, dropout=0.0)
     enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
-    summary = quantize_model(enc)
+    summary = quantize_model(enc, quant_desc_input=QuantDescriptor())
     assert all(isinstance(lyr.self_attn, quant_nn.QuantMultiheadAttention) for lyr in enc.layers)
     assert summary.notes  # nested-tensor path turned off
     q = enc.layers[0].self_attn._matmul_a_input_quantizer

@@ -371,7 +371,7 @@ def test_quant_lstm_exports_to_onnx(tmp_path):
             return self.head(self.rnn(x)[0][:, -1])
 
     model = Net()
-    quantize_model(model)
+    quantize_model(model, quant_desc_input=QuantDescriptor())
     model.eval()
     with torch.no_grad():
         calibrate_model(model, [torch.randn(8, 5, 4) for _ in range(2)], method="max")

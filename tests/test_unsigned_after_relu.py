@@ -17,6 +17,7 @@ from lq.config import Int8ReduceRangeConfig, QuantConfig
 from lq.convert import quantize_model
 from lq.export import export_onnx
 from lq.tensor_quant import fake_tensor_quant
+from lq.tensor_quant import QuantDescriptor
 
 from _models import BNBlock
 
@@ -57,7 +58,7 @@ def _unsigned(m):
 def test_quantizers_after_relu_are_unsigned_across_modules_and_pools():
     torch.manual_seed(0)
     m = _trained(ResNet())
-    quantize_model(m, unsigned_after_relu=True)
+    quantize_model(m, unsigned_after_relu=True, quant_desc_input=QuantDescriptor())
     # read from the forwards: the stem's MaxPool and the blocks' input are the stem's ReLU (through MaxPool,
     # across nn.Sequential and module boundaries), conv2 reads a ReLU, gelu_conv and the pool read the last block's ReLU, fc reads the
     # flattened pool of it; signed: the stem (the image), side (a GELU), the adds' own operands
@@ -90,7 +91,7 @@ def test_a_layer_also_called_on_signed_values_stays_signed():
             return self.conv(F.relu(x)) + self.conv(x)
 
     m = Twice().eval()
-    quantize_model(m, unsigned_after_relu=True)
+    quantize_model(m, unsigned_after_relu=True, quant_desc_input=QuantDescriptor())
     assert "conv._input_quantizer" not in _unsigned(m)
 
 
@@ -106,14 +107,14 @@ def test_untraceable_module_counts_as_possibly_negative():
             return self.conv(F.relu(x))
 
     m = nn.Sequential(nn.ReLU(), Branchy()).eval()
-    quantize_model(m, unsigned_after_relu=True)
+    quantize_model(m, unsigned_after_relu=True, quant_desc_input=QuantDescriptor())
     assert _unsigned(m) == []
 
 
 def test_off_by_default_and_on_in_the_reduce_range_recipe():
     torch.manual_seed(0)
     m = _trained(ResNet())
-    quantize_model(m)
+    quantize_model(m, quant_desc_input=QuantDescriptor())
     assert _unsigned(m) == []
     assert Int8ReduceRangeConfig().unsigned_after_relu is True and QuantConfig().unsigned_after_relu is False
     with pytest.raises(ValueError, match="unsigned_after_relu"):

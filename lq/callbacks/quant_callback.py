@@ -15,6 +15,7 @@ from lq.callbacks.export import QuantExport
 from lq.callbacks.qat import QATSchedule
 from lq.callbacks.swap import QuantSwap
 from lq.config import CalibConfig, ExportConfig, QATConfig, QuantConfig, coerce
+from lq.recipe import default_recipe
 
 CHECKPOINT_KEY = "lq"
 FORMAT_VERSION = 1
@@ -42,7 +43,9 @@ class QuantCallback(L.Callback):
     loggers that take images.
 
     Args:
-        quant: which layers and how (:class:`lq.config.QuantConfig` or a recipe subclass).
+        quant: which layers and how (:class:`lq.config.QuantConfig` or a recipe subclass); None: the recipe for
+            ``export.target`` (``int8_onnxruntime`` for onnxruntime, ``int8_per_channel`` for tensorrt;
+            ``int8_reduce_range`` for onnxruntime with ``qat.learn_amax``: learned ranges are symmetric).
         calib: calibration (:class:`lq.config.CalibConfig`).
         qat: fine-tuning policy (:class:`lq.config.QATConfig`).
         export: ONNX export (:class:`lq.config.ExportConfig`).
@@ -59,10 +62,12 @@ class QuantCallback(L.Callback):
         log_histograms: bool = True,
         verbose: bool = True,
     ) -> None:
-        self.quant = coerce(quant, QuantConfig, "QuantCallback.quant")
-        self.calib = coerce(calib, CalibConfig, "QuantCallback.calib")
-        self.qat = coerce(qat, QATConfig, "QuantCallback.qat")
         self.export = coerce(export, ExportConfig, "QuantCallback.export")
+        self.qat = coerce(qat, QATConfig, "QuantCallback.qat")
+        # no recipe: the one for where the file will run (lq.recipe.TARGET_RECIPES), symmetric with learned ranges
+        self.quant = coerce(quant, QuantConfig, "QuantCallback.quant") if quant is not None else \
+            default_recipe(self.export.target, learn_amax=self.qat.learn_amax)
+        self.calib = coerce(calib, CalibConfig, "QuantCallback.calib")
         self.log_histograms = log_histograms
         self.verbose = verbose
         self.distill = QuantDistill(self.qat)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any, Optional
 
 import lightning as L
-import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lq.config import QuantConfig, coerce
+from lq.recipe import default_recipe
 
 
 class QuantSwap(L.Callback):
@@ -22,119 +22,21 @@ class QuantSwap(L.Callback):
     ``fit`` finds the layers already quantized and leaves them alone.
 
     Args:
-        quant: the recipe (:class:`lq.config.QuantConfig` or one of its subclasses, or a mapping).
+        quant: the recipe (:class:`lq.config.QuantConfig` or one of its subclasses, or a mapping); None: the
+            onnxruntime recipe (:func:`lq.recipe.default_recipe`).
         learn_amax: make every input amax a learned parameter (QAT with PACT-style clipping).
     """
 
     def __init__(self, quant: Optional[QuantConfig] = None, learn_amax: bool = False) -> None:
-        self.quant = coerce(quant, QuantConfig, "QuantSwap.quant")
+        self.quant = coerce(quant, QuantConfig, "QuantSwap.quant") if quant is not None else default_recipe()
         self.learn_amax = bool(learn_amax)
         self.summary: Any = None
 
-    def _input_cfg(self, cfg):
-        if not (self.learn_amax and cfg.enabled and cfg.block_size is None):
-            return cfg
-        if cfg.asymmetric:
-            raise ValueError("QATConfig.learn_amax=true needs symmetric input quantizers, and this recipe's are "
-                             "asymmetric (calibrated affine ranges); use learn_amax=false (QAT then trains the "
-                             "weights on the calibrated ranges) or quant=int8_reduce_range")
-        return replace(cfg, learn_amax=True)
-
     def swap(self, model) -> Any:
-        """Quantize ``model`` in place per the recipe; returns the conversion summary."""
-        from lq.convert import quantize_model
-        from lq.nn.modules.tensor_quantizer import name_quantizers
+        """Quantize ``model`` in place per the recipe (:func:`lq.recipe.apply_recipe`); returns the summary."""
+        from lq.recipe import apply_recipe
 
-        q = self.quant
-        overrides = self._transposed_conv_overrides(model)
-        for glob, per in q.overrides.items():
-            overrides[glob] = {}
-            for role in per:
-                cfg = q.override_for(role, glob)
-                overrides[glob][role] = (self._input_cfg(cfg) if role == "input" else cfg).to_descriptor()
-        type_map = self._type_map()
-        self._check_blocks(model, type_map)
-        summary = quantize_model(
-            model,
-            type_map=type_map,
-            include=tuple(q.include),
-            exclude=tuple(q.exclude),
-            overrides=overrides or None,
-            quant_desc_input=self._input_cfg(q.input).to_descriptor(),
-            quant_desc_weight=q.weight.to_descriptor(),
-            glue=q.glue,
-            unsigned_after_relu=q.unsigned_after_relu,
-            recurrent=q.recurrent,
-            activations=q.activations,
-        )
-        name_quantizers(model, overwrite=True)
-        self._apply_enabled(model)
-        return summary
-
-    def _type_map(self):
-        """The float classes the recipe quantizes: ``types`` by name (None: all of lq's layers), plus SiLU and
-        HardSwish when the recipe quantizes ``activations``."""
-        from lq.convert import DEFAULT_TYPE_MAP
-        from lq.nn.modules.quant_activation import ACTIVATION_MODULE_CLASSES
-
-        full = dict(DEFAULT_TYPE_MAP) | (dict(ACTIVATION_MODULE_CLASSES) if self.quant.activations else {})
-        if self.quant.types is None:
-            return None if not self.quant.activations else full
-        by_name = {cls.__name__: cls for cls in full}
-        unknown = [t for t in self.quant.types if t not in by_name]
-        if unknown:
-            raise ValueError(f"QuantConfig.types has unknown layer type(s) {unknown}; allowed: {sorted(by_name)}")
-        return {by_name[t]: full[by_name[t]] for t in self.quant.types}
-
-    def _check_blocks(self, model, type_map) -> None:
-        """Block sizes must divide every selected layer's weight dim: fail before changing anything."""
-        from lq.convert import DEFAULT_TYPE_MAP
-
-        kinds = tuple(type_map) if type_map is not None else tuple(DEFAULT_TYPE_MAP)  # a mapping: its keys
-        bad = []
-        for name, m in model.named_modules():
-            if not name or not isinstance(m, kinds) or not self.quant.selects(name):
-                continue
-            cfg = self.quant.quantizer_for(name, "weight")
-            w = getattr(m, "weight", None)
-            if cfg.block_size is None or not cfg.enabled or not isinstance(w, torch.Tensor):
-                continue
-            axis = cfg.block_axis % w.dim()
-            if w.shape[axis] % cfg.block_size:
-                bad.append(f"{name} (weight {tuple(w.shape)}, dim {axis} = {w.shape[axis]})")
-        if bad:
-            raise ValueError(
-                f"weight block_size={self.quant.weight.block_size} does not divide the block axis of: {', '.join(bad)}; "
-                "exclude those layers (quant.exclude), restrict quant.types, or override their block_size"
-            )
-
-    def _transposed_conv_overrides(self, model) -> dict:
-        """Per-channel weights of ConvTranspose layers live on axis 1 (weights are (in, out, k...)).
-
-        The recipe's ``axis: [0]`` means "per output channel"; for transposed convolutions that is
-        axis 1, so those layers get their own descriptor (user overrides still apply after this).
-        """
-        from torch import nn
-
-        w = self.quant.weight
-        if w.axis != [0]:
-            return {}
-        kinds = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)  # quantized ones subclass these
-        desc = replace(w, axis=[1]).to_descriptor()
-        return {name: {"weight": desc} for name, m in model.named_modules()
-                if isinstance(m, kinds) and name and self.quant.selects(name)}
-
-    def _apply_enabled(self, model) -> None:
-        """Turn off the quantizers whose config says ``enabled: false`` (e.g. weight-only recipes)."""
-        from lq.nn.modules.tensor_quantizer import iter_quantizers
-
-        for name, tq in iter_quantizers(model):
-            layer, _, attr = name.rpartition(".")
-            role = "weight" if "weight" in attr else "input"
-            if not self.quant.selects(layer):
-                continue
-            if not self.quant.quantizer_for(layer, role).enabled:
-                tq.disable()
+        return apply_recipe(model, self.quant, learn_amax=self.learn_amax)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if str(getattr(trainer, "precision", "")).startswith("64"):

@@ -29,7 +29,7 @@ def pool_before_activations(g: Graph) -> int:
         if len(pool.output) > 1 and pool.output[1]:
             continue  # its indices are read
         chain = _monotone_chain(g, pool)
-        if not chain:
+        if not chain or _makes_double_pair(g, pool, chain):
             continue
         top = chain[-1]  # the activation furthest up; the pool now reads its input
         pooled = g.fresh(f"{pool.output[0]}_before_{top.op_type.lower()}")
@@ -40,6 +40,32 @@ def pool_before_activations(g: Graph) -> int:
         g.nodes.insert(g.nodes.index(top), pool)
         moved += 1
     return moved
+
+
+def _makes_double_pair(g: Graph, pool, chain: list) -> bool:
+    """True when the move would leave the chain's last DequantizeLinear right before a QuantizeLinear on another
+    grid (the pool's quantizer, then the next layer's: asymmetric ranges, or calibrations other than max, differ
+    after a pool). onnxruntime merges such a Q -> DQ -> Q -> DQ into one pair (DoubleQDQPairsRemover), which
+    rounds once where PyTorch rounds twice; with the pool between them both round, so the pool stays."""
+    if chain[0].op_type != "DequantizeLinear":
+        return False
+    dq = chain[0]
+    for q in g.consumers().get(pool.output[0], []):
+        if q.op_type == "QuantizeLinear" and not _same_grid(g, dq, q):
+            return True
+    return False
+
+
+def _same_grid(g: Graph, a, b) -> bool:
+    """Same scale and zero point (and zero-point type) on two Q/DQ nodes."""
+    sa, sb = g.const(a.input[1]), g.const(b.input[1])
+    if sa is None or sb is None or sa.shape != sb.shape or not np.array_equal(sa, sb):
+        return False
+    za = g.const(a.input[2]) if len(a.input) > 2 and a.input[2] else None
+    zb = g.const(b.input[2]) if len(b.input) > 2 and b.input[2] else None
+    if za is None or zb is None:
+        return za is None and zb is None
+    return za.dtype == zb.dtype and np.array_equal(za, zb)
 
 
 def _monotone_chain(g: Graph, pool) -> list:
