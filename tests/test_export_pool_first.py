@@ -111,6 +111,17 @@ class PNetShape(nn.Module):
         return self.c3(self.a2(self.c2(self.pool(self.a1(self.c1(x))))))
 
 
+def _assert_equals_pytorch(model, path: str) -> None:
+    """onnxruntime (all fusions on) computes PyTorch's fake-quant output on a fresh input: exact rewrites only, what
+    is left is float summation order in the convs (no quantizer reads c3's output)."""
+    x = 2 * torch.randn(8, 4, 21, 21, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model(x).numpy()
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max() + 1e-5
+
+
 @pytest.mark.parametrize("negative,narrow", [(False, False), (True, False), (False, True)])
 def test_export_pools_before_prelu_and_equals_pytorch(tmp_path, negative, narrow):
     """``narrow``: narrow-range input quantizers (QuantizerConfig's default, so QuantCallback's), exported with an
@@ -136,13 +147,7 @@ def test_export_pools_before_prelu_and_equals_pytorch(tmp_path, negative, narrow
         assert prod[pool.input[0]].op_type != "Conv" and ops.index("PRelu") < ops.index("MaxPool"), ops
     else:  # it reads the conv: the first PReLU and the quantizer run on the pooled tensor
         assert prod[pool.input[0]].op_type == "Conv" and ops.index("MaxPool") < ops.index("PRelu"), ops
-    x = 2 * torch.randn(8, 4, 21, 21, generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        want = model(x).numpy()
-    sess = ort.InferenceSession(res.path, providers=["CPUExecutionProvider"])
-    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
-    # exact rewrites only: what is left is float summation order in the convs (no quantizer reads c3's output)
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max() + 1e-5
+    _assert_equals_pytorch(model, res.path)
 
 
 def test_the_pool_stays_between_two_quantizers_on_different_grids(tmp_path):
@@ -162,9 +167,4 @@ def test_the_pool_stays_between_two_quantizers_on_different_grids(tmp_path):
     res = export_onnx(model, calib[0], str(tmp_path / "p.onnx"))
     ops = [n.op_type for n in onnx.load(res.path).graph.node]
     assert ops.index("PRelu") < ops.index("MaxPool"), ops
-    x = 2 * torch.randn(8, 4, 21, 21, generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        want = model(x).numpy()
-    sess = ort.InferenceSession(res.path, providers=["CPUExecutionProvider"])
-    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max() + 1e-5
+    _assert_equals_pytorch(model, res.path)
