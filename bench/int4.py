@@ -299,7 +299,21 @@ def markdown(res: dict) -> str:
     if res["not_run"]:
         parts += ["## Not run here", ""] + [f"- {k}: {v}" for k, v in res["not_run"].items()] + [""]
     parts += ["## Notes", ""] + [f"- {r['file']}: {r['note']}" for r in res["rows"] if r["note"]]
+    parts += [f"- {k}: {fold_note(v)}" for k, v in res.get("search", {}).items() if fold_note(v)]
     return "\n".join(parts) + "\n"
+
+
+def fold_note(choices: list[dict]) -> str:
+    """Where AWQ's ``1 / s`` went (lq.calib._awq_fold): folded into a LayerNorm or V's rows, or kept as a Mul."""
+    scaled = [c for c in choices if c.get("alpha", 0) > 0]
+    if not scaled:
+        return ""
+    rows = sum("output rows" in c.get("folded", "") for c in scaled)
+    norms = sum(c.get("folded", "").startswith(("LayerNorm", "RMSNorm")) for c in scaled)
+    kept = {tuple(c.get("group") or [c["layer"]]) for c in scaled if not c.get("folded")}
+    return (f"AWQ scaled {len(scaled)} Linears' inputs; 1/s folded into V's output rows for {rows}, into a LayerNorm "
+            f"for {norms}; {len(kept)} Mul(s) kept for the rest (one per input read: Q/K/V share one; a LayerNorm "
+            "output that is also the residual, or a GELU output, takes no exact fold)")
 
 
 def _ort_version() -> str:

@@ -148,8 +148,7 @@ class QuantConfig:
             int8): on in :class:`Int8ReduceRangeConfig`.
         activations: also quantize ``nn.SiLU`` and ``nn.Hardswish`` as ``x * gate(x)`` with ``x`` and the gate
             quantized (:mod:`lq.nn.modules.quant_activation`): onnxruntime then runs QLinearSigmoid/QLinearMul
-            instead of a float activation between a DequantizeLinear and a QuantizeLinear; and a conv -> ReLU ->
-            BatchNorm gets its output quantizer on the ReLU (the conv runs integer with the ReLU fused).
+            instead of a float activation between a DequantizeLinear and a QuantizeLinear.
         recurrent: how ``nn.LSTM`` layers quantize their activations: ``"scan"`` (their input quantizers,
             calibrated; exported as an ONNX Scan loop, any runtime) or ``"dynamic"`` (onnxruntime's fused
             ``DynamicQuantizeLSTM``: each layer's input and every step's h quantized from themselves, the
@@ -323,8 +322,11 @@ class CalibConfig:
         block_method: block-quantized Linear weights (``int4_block_weight``): ``max`` (round-to-nearest with each
             block's max), ``mse`` (per block, the fraction of its max with the smallest weight error) or ``awq``
             (activation-aware: input channels scaled by their mean magnitude^alpha, alpha per layer on its output
-            error over the calibration batches, the inverse as one Mul before the layer; MSE blocks). Both are in
-            the model, so the exported file computes the same (lq/calib/_block_search.py).
+            error over the calibration batches, one alpha for Linears reading one input; MSE blocks). The inverse
+            goes into the LayerNorm before (when only those Linears read it) or into the output rows of the Linear
+            whose output reaches the layer through reshapes and attention (V for the attention output), else it
+            stays one Mul before the layer(s). Both are in the model, so the exported file computes the same
+            (lq/calib/_block_search.py, lq/calib/_awq_fold.py).
     """
 
     enabled: bool = True

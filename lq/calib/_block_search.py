@@ -12,8 +12,10 @@ quantizer's ``pre_quant_scale``), so the exported file computes exactly what the
   weight becomes ``W * s`` (its columns scaled up before quantization) and the input ``x * (1 / s)``
   (``TensorQuantizer.pre_quant_scale``: one per-channel Mul before the MatMul in the file); ``alpha`` on a grid in
   [0, 1] is chosen per layer on the layer's output error over the calibration rows, with the MSE block search on
-  the scaled weight. Round-to-nearest (``alpha = 0``, max) is one of the candidates, so the output error on those
-  rows is never larger.
+  the scaled weight. Linears that read one tensor (Q/K/V) share one ``s``, chosen on their outputs together.
+  Round-to-nearest (``alpha = 0``, max) is one of the candidates, so the output error on those rows is never
+  larger. Then :mod:`lq.calib._awq_fold` moves ``1 / s`` into the op before where that is exact (a LayerNorm only
+  those Linears read; V's output rows for attention's output projection): no Mul there in the file.
 
 Only weight-only block quantizers (blocks along a Linear's input features, input quantizer disabled) take the
 activation scaling: with an enabled input quantizer the scaled activations would quantize differently.
@@ -22,6 +24,7 @@ activation scaling: with an enabled input quantizer the scaled activations would
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Callable, Iterable
 
 import torch
@@ -44,8 +47,10 @@ class BlockChoice:
     layer: str
     shrink: float  # mean chosen fraction of the block max (1 = round-to-nearest)
     alpha: float = 0.0  # AWQ exponent (0: no activation scaling)
-    rtn_error: float = 0.0  # weight error (mse) or output error (awq) of round-to-nearest
+    rtn_error: float = 0.0  # weight error (mse) or output error (awq; of its group) of round-to-nearest
     error: float = 0.0  # the same error after the search
+    group: list[str] = dataclasses.field(default_factory=list)  # awq: the Linears reading its input (one scale)
+    folded: str = ""  # awq: the op that took 1 / s ("": a Mul before the Linear)
 
 
 def block_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -130,10 +135,14 @@ class _Rows:
 
 
 def search_awq(model: nn.Module, batches: Iterable, forward: Callable[[nn.Module, Any], Any],
-               num_batches: int | None = None) -> list[BlockChoice]:
+               num_batches: int | None = None, fold: bool = True) -> list[BlockChoice]:
     """AWQ: per weight-only block-quantized Linear, the activation scale ``s = mag^alpha`` and block amax with the
     smallest output error on the calibration rows (round-to-nearest among the candidates); sets the weight, the
-    input quantizer's ``pre_quant_scale`` (``1 / s``) and the amax. Other block layers get the MSE search."""
+    input quantizer's ``pre_quant_scale`` (``1 / s``) and the amax. Linears reading one tensor (Q/K/V) share one
+    ``s``, searched on their outputs together. Then (``fold``) ``1 / s`` goes into the op before where exact
+    (:mod:`lq.calib._awq_fold`). Other block layers get the MSE search."""
+    from lq.calib import _awq_fold
+
     layers = block_layers(model)
     awq, rest = [], []
     for name, m in layers:
@@ -143,6 +152,11 @@ def search_awq(model: nn.Module, batches: Iterable, forward: Callable[[nn.Module
     out = search_mse(model, rest)
     if not awq:
         return out
+    it = iter(batches) if num_batches is None else itertools.islice(batches, num_batches)
+    first = next(it, None)
+    if first is None:
+        raise RuntimeError("AWQ: no calibration batches")
+    flow = _awq_fold.trace(model, [n for n, _ in awq], first, forward)
     hooks, stats = [], {}
     for name, m in awq:
         stats[name] = _Rows(m.weight.shape[1])
@@ -151,26 +165,32 @@ def search_awq(model: nn.Module, batches: Iterable, forward: Callable[[nn.Module
     model.eval()
     try:
         with torch.no_grad():
-            for i, batch in enumerate(batches):
-                if num_batches is not None and i >= num_batches:
-                    break
+            for batch in itertools.chain([first], it):
                 forward(model, batch)
     finally:
         for h in hooks:
             h.remove()
         model.train(was)
-    for name, m in awq:
-        st = stats[name]
-        if not st.count:
-            raise RuntimeError(f"AWQ: layer '{name}' saw no calibration data; run the batches through it, or use "
-                               "block_method='mse' (no data needed)")
-        out.append(_awq_layer(name, m, st))
+    mods = dict(awq)
+    for group in flow.groups:
+        for name in group:
+            if not stats[name].count:
+                raise RuntimeError(f"AWQ: layer '{name}' saw no calibration data; run the batches through it, or "
+                                   "use block_method='mse' (no data needed)")
+        out += _awq_group(group, [mods[n] for n in group], stats[group[0]])
+    if fold:
+        where = _awq_fold.fold(model, flow, first, forward)
+        for c in out:
+            c.folded = where.get(c.layer, "")
     return out
 
 
-def _awq_layer(name: str, m: nn.Module, st: _Rows) -> BlockChoice:
-    tq, block = m._weight_quantizer, _block_size(m)
-    w = m.weight.detach().float()
+def _awq_group(names: list[str], ms: list[nn.Module], st: _Rows) -> list[BlockChoice]:
+    """AWQ for Linears reading one input: one ``s`` for all (their weights side by side, as one Linear: blocks run
+    along the input features, so each row quantizes alone)."""
+    tq, block = ms[0]._weight_quantizer, _block_size(ms[0])
+    rows = [m.weight.shape[0] for m in ms]
+    w = torch.cat([m.weight.detach().float() for m in ms])
     n, k = w.shape
     x = torch.cat(st.rows).to(w.device)
     ref = x @ w.T
@@ -201,13 +221,16 @@ def _awq_layer(name: str, m: nn.Module, st: _Rows) -> BlockChoice:
     if err < best[0]:
         best = (err, alpha, inv, ws, amax)
     err, alpha, inv, ws, amax = best
-    with torch.no_grad():
-        m.weight.copy_(ws.to(m.weight.dtype))
-    if inv is not None:
-        m._input_quantizer.pre_quant_scale = inv
-    _set_amax(m, amax)
-    shrink = float((amax / ws.reshape(n, k // block, block).abs().amax(-1).clamp_min(1e-30)).mean())
-    return BlockChoice(name, shrink, alpha, rtn, err)
+    out = []
+    for name, m, ws_m, amax_m in zip(names, ms, ws.split(rows), amax.split(rows)):
+        with torch.no_grad():
+            m.weight.copy_(ws_m.to(m.weight.dtype))
+        if inv is not None:
+            m._input_quantizer.pre_quant_scale = inv
+        _set_amax(m, amax_m)
+        top = ws_m.reshape(ws_m.shape[0], k // block, block).abs().amax(-1).clamp_min(1e-30)
+        out.append(BlockChoice(name, float((amax_m / top).mean()), alpha, rtn, err, names))
+    return out
 
 
 def search_block_scales(model: nn.Module, method: str, batches: Iterable | None = None,

@@ -257,6 +257,7 @@ def export_onnx(
         _lower.fold_weight_quantize(g)
         if target == "onnxruntime":  # block-quantized Linear weights -> onnxruntime's MatMulNBits kernel
             notes.extend(_matmul_nbits.write_matmul_nbits(g))
+            _placement.dedupe_scalings(g)
         for layer, unsigned in _dynamic_lstm.write_dynamic_lstms(g):
             dynamic_lstms.append(layer)
             if unsigned:

@@ -31,23 +31,40 @@ def same_q(g: Graph, a, b) -> bool:
     return za is None or (za.shape == zb.shape and np.array_equal(za.astype(np.int64), zb.astype(np.int64)))
 
 
-def dedupe_quantizers(g: Graph) -> int:
-    """Several identical QuantizeLinear (same input, same params) -> one."""
+def same_scaling(g: Graph, a, b) -> bool:
+    """Two Muls of one tensor by equal constants (AWQ's ``1 / s`` of Linears reading one input)."""
+    ca, cb = g.const(a.input[1]), g.const(b.input[1])
+    return (ca is not None and cb is not None and ca.dtype == cb.dtype and ca.shape == cb.shape
+            and np.array_equal(ca, cb))
+
+
+def _dedupe(g: Graph, op_type: str, same) -> int:
+    """Several ``op_type`` nodes with the same first input and ``same(g, a, b)`` -> the first one."""
     merged = 0
     cons = g.consumers()
     dropped: set[int] = set()
     for name, users in cons.items():
-        qs = [u for u in users if u.op_type == "QuantizeLinear" and u.input[0] == name]
+        qs = [u for u in users if u.op_type == op_type and u.input[0] == name]
         for i, a in enumerate(qs):
             if id(a) in dropped:
                 continue
             for b in qs[i + 1:]:
-                if id(b) not in dropped and same_q(g, a, b) and b.output[0] not in g.graph_outputs:
+                if id(b) not in dropped and same(g, a, b) and b.output[0] not in g.graph_outputs:
                     g.replace_uses(b.output[0], a.output[0])
                     dropped.add(id(b))
                     merged += 1
     g.nodes = [n for n in g.nodes if id(n) not in dropped]
     return merged
+
+
+def dedupe_quantizers(g: Graph) -> int:
+    """Several identical QuantizeLinear (same input, same params) -> one."""
+    return _dedupe(g, "QuantizeLinear", same_q)
+
+
+def dedupe_scalings(g: Graph) -> int:
+    """Several Muls of one tensor by equal constants -> one (one per-channel Mul before Q/K/V's MatMulNBits)."""
+    return _dedupe(g, "Mul", same_scaling)
 
 
 def hoist_quantizers(g: Graph) -> int:
