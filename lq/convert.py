@@ -569,7 +569,7 @@ def quantize_model(
         glue_plans, glue_outputs, glue_already, glue_notes = _glue.plan(
             model, selected=lambda n: _matches(n, include) and not _matches(n, exclude),
             skip=will_be_quantized, will_be_quantized=will_be_quantized, graphs=graphs,
-            optional=frozenset({"mul"}) if activations else frozenset())
+            optional=frozenset({"mul", "relu_norm"}) if activations else frozenset())
         if not glue:
             glue_plans, glue_outputs, glue_already, glue_notes = [], [], [], []
         if unsigned_after_relu:

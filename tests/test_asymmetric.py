@@ -355,3 +355,54 @@ def test_every_conv_runs_integer_under_auto_calibration(tmp_path):
     assert [k for k in float_kernels if k[1] in ("Conv", "Mul")] == [], float_kernels
     ops = optimized_op_counts(res.path)
     assert ops.get("QLinearSigmoid", 0) >= 3 * 2 and ops.get("QLinearMul", 0) >= 3 * 4, ops  # SiLUs and SE gates
+
+
+class ReluNormBlock(nn.Sequential):
+    """CREPE's layer as library code writes it: conv -> ReLU -> BatchNorm -> MaxPool (a Sequential subclass)."""
+
+    def __init__(self, i: int, o: int):
+        super().__init__(nn.Conv1d(i, o, 5, padding=2), nn.ReLU(inplace=True), nn.BatchNorm1d(o), nn.MaxPool1d(2))
+
+
+class ReluNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = ReluNormBlock(1, 16)  # 1 input channel: float by choice
+        self.a, self.b = ReluNormBlock(16, 16), nn.Sequential(nn.Conv1d(16, 32, 3, padding=1), nn.ReLU(),
+                                                                nn.BatchNorm1d(32))
+        self.c, self.act, self.norm = nn.Conv1d(32, 32, 3, padding=1), nn.ReLU(), nn.BatchNorm1d(32)  # traced forward
+        self.head = nn.Linear(32 * 16, 10)
+
+    def forward(self, x):
+        y = self.norm(self.act(self.c(self.b(self.a(self.stem(x))))))
+        return self.head(torch.flatten(y, 1))
+
+
+@pytest.mark.parametrize("recipe", ["int8_onnxruntime", "int8_per_channel"])
+def test_conv_relu_batchnorm_runs_the_conv_integer_with_the_quantizer_on_the_relu(recipe, tmp_path):
+    """A BatchNorm after the ReLU cannot fold into the conv, so it reads the ReLU in float: with the recipe that
+    quantizes activations the ReLU gets the output quantizer (zero point 0: onnxruntime drops it) and every conv
+    but the 1-channel stem runs QLinearConv (before: 1 of 7 CREPE layers integer, quantize_static 7 of 7). The
+    symmetric recipe keeps its placement (a ReLU output on its signed grid would not fuse)."""
+    from lq.config import RECIPES
+    from lq.export import export_onnx
+    from lq.export._verify import optimized_op_counts
+
+    from _export_checks import assert_file_matches_pytorch
+
+    torch.manual_seed(0)
+    x = torch.randn(72, 1, 64)
+    m = _trained_bn(ReluNormNet(), x)
+    QuantSwap(RECIPES[recipe]()).swap(m)
+    on_relu = sorted(n.rsplit(".", 1)[0] for n, _ in m.named_modules() if n.endswith("_output_quantizer"))
+    with torch.no_grad():
+        calibrate_model(m, list(x[:48].split(16)))
+    res = export_onnx(m, x[:8], str(tmp_path / "m.onnx"), speed_check=False)
+    assert_file_matches_pytorch(m, res, x[48:])
+    ops = optimized_op_counts(res.path)
+    if recipe == "int8_onnxruntime":
+        assert on_relu == ["a.1", "act", "b.1"]  # not the stem: a float conv gains nothing from it
+        assert ops["QLinearConv"] == 3 and "Relu" not in ops, ops  # every ReLU fused (the stem's into its float conv)
+        assert res.kernel_of("stem.0").startswith("Conv (float") and res.kernel_of("c") == "QLinearConv"
+    else:
+        assert on_relu == [] and ops["QLinearConv"] < 3, ops

@@ -16,7 +16,7 @@ from torch import nn
 
 from lq.export._rules import ort_prefers_float_conv
 from lq.glue._rules import (FLOAT_READER_FUNCTIONS, FLOAT_READER_METHODS, FLOAT_READER_MODULES, FOLDED_NORMS,
-                            OUTPUT_LAYERS)
+                            OUTPUT_LAYERS, RELU_MODULES)
 
 ATTR = "_output_quantizer"
 _HOOK_ID = "_lq_output_hook"
@@ -70,14 +70,34 @@ def _folded_norm(node: fx.Node, parent: nn.Module) -> fx.Node | None:
     return None
 
 
-def sites_in_graph(parent: nn.Module, prefix: str, graph: fx.Graph, wants, quantized=_never) -> list[OutputSite]:
-    """Children of ``parent`` called in ``graph`` whose output (or their BatchNorm's) a float reader takes."""
+def _relu_then_norm(node: fx.Node, parent: nn.Module) -> fx.Node | None:
+    """The ReLU module call that alone reads ``node`` (the conv's output) and is itself read by a BatchNorm alone
+    (conv -> ReLU -> BatchNorm, the norm after the activation), else None."""
+    users = list(node.users)
+    if len(users) != 1 or users[0].op != "call_module" or not isinstance(parent.get_submodule(users[0].target),
+                                                                          RELU_MODULES):
+        return None
+    return users[0] if _folded_norm(users[0], parent) is not None else None
+
+
+def sites_in_graph(parent: nn.Module, prefix: str, graph: fx.Graph, wants, quantized=_never,
+                   relu_norm: bool = False) -> list[OutputSite]:
+    """Children of ``parent`` called in ``graph`` whose output (or their BatchNorm's) a float reader takes;
+    ``relu_norm``: also a conv -> ReLU -> BatchNorm's ReLU (:data:`lq.glue._rules.RELU_NORM`)."""
     out = []
     for n in graph.nodes:
         if n.op != "call_module":
             continue
         layer = parent.get_submodule(n.target)
         if not wants(layer):
+            continue
+        relu = _relu_then_norm(n, parent) if relu_norm else None
+        if relu is not None:
+            owner = parent.get_submodule(relu.target)
+            if not has_output_quantizer(owner):
+                norm = next(iter(relu.users))
+                out.append(OutputSite(f"{prefix}.{relu.target}" if prefix else relu.target, owner,
+                                      type(parent.get_submodule(norm.target)).__name__))
             continue
         norm = _folded_norm(n, parent)
         at, owner = (norm, parent.get_submodule(norm.target)) if norm is not None else (n, layer)
@@ -87,13 +107,22 @@ def sites_in_graph(parent: nn.Module, prefix: str, graph: fx.Graph, wants, quant
     return out
 
 
-def sites_in_sequential(seq: nn.Sequential, prefix: str, wants, quantized=_never) -> list[OutputSite]:
+def sites_in_sequential(seq: nn.Sequential, prefix: str, wants, quantized=_never,
+                        relu_norm: bool = False) -> list[OutputSite]:
     """Children ``(layer, reader)`` or ``(layer, BatchNorm, reader)`` in a row of an ``nn.Sequential``
-    (torchvision's ``Conv2dNormActivation`` is one): the quantizer on the last before the reader."""
+    (torchvision's ``Conv2dNormActivation`` is one): the quantizer on the last before the reader; ``relu_norm``:
+    also ``(layer, ReLU, BatchNorm)``, the quantizer on the ReLU."""
     items = list(seq._modules.items())
     out = []
     for i, (name, layer) in enumerate(items):
         if not wants(layer):
+            continue
+        if (relu_norm and i + 2 < len(items) and isinstance(items[i + 1][1], RELU_MODULES)
+                and isinstance(items[i + 2][1], FOLDED_NORMS)):
+            at_name, owner = items[i + 1]
+            if not has_output_quantizer(owner):
+                out.append(OutputSite(f"{prefix}.{at_name}" if prefix else at_name, owner,
+                                      type(items[i + 2][1]).__name__))
             continue
         j = i + 1 if i + 1 < len(items) and isinstance(items[i + 1][1], FOLDED_NORMS) else i
         at_name, owner = items[j]

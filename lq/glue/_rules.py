@@ -85,7 +85,14 @@ FUNCTIONS = {
 #: call_method targets (``x.add(y)``, ``a.matmul(b)``)
 METHODS = {"add": ADD, "matmul": MATMUL, "bmm": MATMUL, "mul": MUL}
 #: kinds quantized only where the recipe asks (``find_sites(..., optional=...)``)
-OPTIONAL_KINDS = frozenset({"mul"})
+OPTIONAL_KINDS = frozenset({"mul", "relu_norm"})
+#: ``relu_norm`` (optional, with ``QuantConfig.activations``): a conv -> ReLU -> BatchNorm (CREPE's layers, nets that
+#: normalize after the activation) gets its output quantizer on the ReLU, which the BatchNorm reads in float: the
+#: conv then runs as QLinearConv with the ReLU fused (a zero point of 0 on an asymmetric grid), as onnxruntime's own
+#: files do; the BatchNorm cannot fold into the conv across the ReLU and runs in float between DQ and the next Q
+RELU_NORM = "relu_norm"
+#: activations after which a BatchNorm reader gets the output quantizer (non-negative: the runtime drops them)
+RELU_MODULES = (torch.nn.ReLU, torch.nn.ReLU6)
 #: kinds whose result stays float when only float ops read it, and whose operands tie to a layer's quantizer
 JOIN_KINDS = frozenset({"add", "mul"})
 
