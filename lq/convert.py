@@ -560,6 +560,7 @@ def quantize_model(
 
     # ---- glue ops in the modules' own forwards (traced, nothing modified)
     glue_plans, glue_outputs, glue_notes = [], [], []
+    pool_pairs: list = []
     unsigned: set[str] = set()
     if glue or unsigned_after_relu:
         from lq import glue as _glue
@@ -570,6 +571,9 @@ def quantize_model(
             model, selected=lambda n: _matches(n, include) and not _matches(n, exclude),
             skip=will_be_quantized, will_be_quantized=will_be_quantized, graphs=graphs,
             optional=frozenset({"mul", "relu_norm"}) if activations else frozenset())
+        if glue and activations:  # a max pool and its reader on one grid (lq.glue._pool_grid)
+            pool_pairs = _glue._pool_grid.pool_readers(model, graphs, will_be_quantized,
+                                                       lambda m, g: _glue._tie(m, g, will_be_quantized))
         if not glue:
             glue_plans, glue_outputs, glue_already, glue_notes = [], [], [], []
         if unsigned_after_relu:
@@ -662,6 +666,8 @@ def quantize_model(
         for parent, attr in t.locations:
             parent._modules[attr] = t.new
         layers[t.row] = LayerSummary.of(t.name, t.new, "quantized")
+    if pool_pairs:
+        _glue._pool_grid.share(pool_pairs, lambda m: targets[id(m)].new if id(m) in targets else m)
     for o, q in zip(glue_outputs, output_quantizers, strict=True):
         layer = targets[id(o.layer)].new if id(o.layer) in targets else o.layer
         _glue._outputs.commit(o, layer, q)

@@ -20,7 +20,7 @@ from typing import Callable
 import torch.fx as fx
 from torch import nn
 
-from lq.glue import _outputs
+from lq.glue import _outputs, _pool_grid
 from lq.glue._outputs import OutputSite
 from lq.glue._rewrite import CHILD, GlueQuantized, GlueQuantizer, commit, glue_class, remove
 from lq.glue._rules import (FUNCTIONS, INPUT_QUANTIZER, METHODS, TIE_THROUGH_FUNCTIONS, TIE_THROUGH_METHODS, TIE_THROUGH_MODULES,
