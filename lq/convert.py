@@ -386,10 +386,11 @@ def _quantize_with_recipe(model, recipe, target, *, type_map, include, exclude, 
     from dataclasses import replace
 
     from lq import recipe as _recipe
+    from lq.config import QuantConfig, coerce
 
     if recipe is not None and target is not None:
         raise ValueError("quantize_model: give recipe= or target= (which picks a recipe), not both")
-    cfg = _recipe.as_recipe(recipe, "quantize_model: recipe") if recipe is not None else \
+    cfg = coerce(recipe, QuantConfig, "quantize_model: recipe") if recipe is not None else \
         _recipe.default_recipe(target or "onnxruntime")
     changes = {k: v for k, v in (("glue", glue), ("unsigned_after_relu", unsigned_after_relu),
                                  ("recurrent", recurrent), ("activations", activations)) if v is not None}
@@ -572,8 +573,7 @@ def quantize_model(
             skip=will_be_quantized, will_be_quantized=will_be_quantized, graphs=graphs,
             optional=frozenset({"mul", "relu_norm"}) if activations else frozenset())
         if glue and activations:  # a max pool and its reader on one grid (lq.glue._pool_grid)
-            pool_pairs = _glue._pool_grid.pool_readers(model, graphs, will_be_quantized,
-                                                       lambda m, g: _glue._tie(m, g, will_be_quantized))
+            pool_pairs = _glue._pool_grid.pool_readers(model, graphs, will_be_quantized)
         if not glue:
             glue_plans, glue_outputs, glue_already, glue_notes = [], [], [], []
         if unsigned_after_relu:

@@ -32,15 +32,6 @@ def default_recipe(target: str = "onnxruntime", learn_amax: bool = False) -> Qua
     return RECIPES[(LEARNED_RANGE_RECIPES if learn_amax else TARGET_RECIPES)[target]]()
 
 
-def as_recipe(recipe, where: str = "recipe") -> QuantConfig:
-    """A recipe name (a key of :data:`lq.config.RECIPES`) or a QuantConfig, as a QuantConfig."""
-    if isinstance(recipe, QuantConfig):
-        return recipe
-    if isinstance(recipe, str) and recipe in RECIPES:
-        return RECIPES[recipe]()
-    raise ValueError(f"{where}={recipe!r} is not allowed: one of {sorted(RECIPES)} or a lq.config.QuantConfig")
-
-
 def input_config(cfg, learn_amax: bool):
     """An input quantizer's config under ``learn_amax`` (QAT with learned ranges): symmetric grids only."""
     if not (learn_amax and cfg.enabled and cfg.block_size is None):

@@ -100,5 +100,5 @@ def test_a_recipe_and_descriptors_together_are_refused():
         lq.quantize_model(_net(), target="tensorrt", quant_desc_weight=QuantDescriptor(axis=0))
     with pytest.raises(ValueError, match="not both"):
         lq.quantize_model(_net(), recipe="int8_onnxruntime", target="tensorrt")
-    with pytest.raises(ValueError, match=r"recipe='int9' is not allowed: one of \["):
+    with pytest.raises(ValueError, match=r"recipe='int9' is not a recipe: choose one of \["):
         lq.quantize_model(_net(), recipe="int9")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from lq.export._ir import Graph, attr
+from lq.export._placement import same_q
 
 _ACTIVATIONS = ("PRelu", "LeakyRelu")
 
@@ -51,21 +52,9 @@ def _makes_double_pair(g: Graph, pool, chain: list) -> bool:
         return False
     dq = chain[0]
     for q in g.consumers().get(pool.output[0], []):
-        if q.op_type == "QuantizeLinear" and not _same_grid(g, dq, q):
+        if q.op_type == "QuantizeLinear" and not same_q(g, dq, q):
             return True
     return False
-
-
-def _same_grid(g: Graph, a, b) -> bool:
-    """Same scale and zero point (and zero-point type) on two Q/DQ nodes."""
-    sa, sb = g.const(a.input[1]), g.const(b.input[1])
-    if sa is None or sb is None or sa.shape != sb.shape or not np.array_equal(sa, sb):
-        return False
-    za = g.const(a.input[2]) if len(a.input) > 2 and a.input[2] else None
-    zb = g.const(b.input[2]) if len(b.input) > 2 and b.input[2] else None
-    if za is None or zb is None:
-        return za is None and zb is None
-    return za.dtype == zb.dtype and np.array_equal(za, zb)
 
 
 def _monotone_chain(g: Graph, pool) -> list:

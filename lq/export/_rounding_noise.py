@@ -24,6 +24,8 @@ import contextlib
 import numpy as np
 import torch
 
+from lq import _reference
+
 #: the largest move of a quantizer's input, in that quantizer's steps: onnxruntime's int32 bias (at most half an
 #: accumulator unit, measured up to 0.005 output steps on a depthwise conv with a folded BatchNorm) and its float32
 #: requantization (about 1e-4 steps) stay well inside it
@@ -38,8 +40,8 @@ def activation_step(q) -> torch.Tensor | None:
     if getattr(q, "_block_sizes", None):
         return None
     lo, hi = getattr(q, "_min_range", None), getattr(q, "_max_range", None)
-    if lo is not None and hi is not None:  # asymmetric: (max - min) over all levels
-        return ((hi - lo) / float(2 ** q.num_bits - 1)).detach().float().reshape(())
+    if lo is not None and hi is not None:  # asymmetric: the affine grid's step
+        return _reference.affine_params(lo.detach(), hi.detach(), q.num_bits)[0].float().reshape(())
     step = q.step_size
     return None if step is None else step.detach().float().max().reshape(())
 

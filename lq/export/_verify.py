@@ -337,25 +337,14 @@ def compare_output(name: str, got: np.ndarray, want: np.ndarray, step: float,
     return into
 
 
-def far_elements(got: np.ndarray, want: np.ndarray, step: float) -> int:
-    """How many elements of ``got`` are more than FAR_STEPS steps from ``want`` (float noise is not a step)."""
-    got = np.asarray(got, dtype=np.float64)
-    want = np.asarray(want, dtype=np.float64)
-    d = np.abs(got - want)
-    d = np.where(np.isnan(got) & np.isnan(want), 0.0, np.where(np.isnan(d), np.inf, d))
-    tiny = 1e-6 * (float(np.abs(want).max()) if want.size else 0.0)
-    return int((d > FAR_STEPS * step + tiny).sum())
-
-
 def add_noise(check: OutputCheck, noisy: np.ndarray, want: np.ndarray) -> OutputCheck:
     """Count, into ``check``, how far PyTorch's output under rounding-level noise (``noisy``) is from its own
     ``want``, in the check's steps."""
-    check.noise_elements += int(np.asarray(want).size)
-    check.noise_far += far_elements(noisy, want, check.step)
-    if check.rows:  # a class axis: how many of the noisy model's top-1 classes move beyond a tie
-        moved = compare_output(check.name, noisy, want, check.step)
-        check.noise_rows += moved.rows
-        check.noise_top1_differ += moved.top1_differ
+    moved = compare_output(check.name, noisy, want, check.step)  # the same counts, in the check's step
+    check.noise_elements += moved.elements
+    check.noise_far += moved.beyond_far
+    check.noise_rows += moved.rows
+    check.noise_top1_differ += moved.top1_differ
     return check
 
 

@@ -19,13 +19,15 @@ from lq.glue._rules import INPUT_QUANTIZER, TIED_LAYERS
 MAX_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
 
 
-def pool_readers(model: nn.Module, graphs: dict, will_be_quantized, tie_for) -> list[tuple[nn.Module, nn.Module]]:
+def pool_readers(model: nn.Module, graphs: dict, will_be_quantized) -> list[tuple[nn.Module, nn.Module]]:
     """``(max pool, quantized layer reading its output)`` pairs: consecutive children of an ``nn.Sequential`` (or a
     subclass keeping its forward), and pools in a traced forward (``graphs``, by module id) whose output a quantized
-    layer reads directly or through grid-preserving ops (``tie_for(parent, graph)``, :func:`lq.glue._tie`)."""
+    layer reads directly or through grid-preserving ops (the glue's tie, :func:`lq.glue._tie`)."""
+    from lq.glue import _plain_sequential, _tie
+
     out = []
     for _, m in model.named_modules():
-        if isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward:
+        if _plain_sequential(m):
             items = list(m._modules.values())
             out += [(a, b) for a, b in zip(items, items[1:])
                     if isinstance(a, MAX_POOLS) and isinstance(b, TIED_LAYERS)
@@ -34,7 +36,7 @@ def pool_readers(model: nn.Module, graphs: dict, will_be_quantized, tie_for) -> 
         graph = graphs.get(id(m))
         if graph is None:
             continue
-        tie = tie_for(m, graph)
+        tie = _tie(m, graph, will_be_quantized)
         for n in graph.nodes:
             if n.op != "call_module" or not isinstance(m.get_submodule(n.target), MAX_POOLS):
                 continue
