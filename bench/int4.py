@@ -159,7 +159,7 @@ def ort_quantized(fp32: Path, algo: str, calib: list[dict], path: Path) -> str:
 
 # =========================================================================== measurements
 def session(path: Path, threads: int):
-    from lq.export._verify import make_session
+    from lq.export.verify._verify import make_session
 
     return make_session(str(path), ["CPUExecutionProvider"], intra_op_num_threads=threads)
 
@@ -176,7 +176,7 @@ def file_embeddings(path: Path, tok_batches) -> torch.Tensor:
 
 
 def kernels(path: Path) -> dict:
-    from lq.export._verify import optimized_op_counts
+    from lq.export.verify._verify import optimized_op_counts
 
     ops = optimized_op_counts(str(path))
     return {"MatMulNBits": ops.get("MatMulNBits", 0), "float MatMul/Gemm": sum(ops.get(k, 0) for k in (

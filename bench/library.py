@@ -474,7 +474,7 @@ def torch_quality(spec: Spec, model: nn.Module, x, y) -> float:
 
 
 def ort_quality(spec: Spec, path: str, x, y) -> float:
-    from lq.export._verify import make_session
+    from lq.export.verify._verify import make_session
 
     sess = make_session(path, intra_op_num_threads=1)
     name = sess.get_inputs()[0].name

@@ -96,7 +96,7 @@ def _nodes(path: str) -> int:
 @contextlib.contextmanager
 def _unrolled():
     """lq's export with the loop switched off: the previous path, for comparison."""
-    from lq.export import _loop_ops
+    from lq.export.prepare import _loop_ops
 
     saved = _loop_ops.loop_mode
     _loop_ops.loop_mode = lambda model: contextlib.nullcontext([])
@@ -108,7 +108,7 @@ def _unrolled():
 
 def run(label: str, model: nn.Module, dims: tuple, d: str, fast: bool, unrolled: bool) -> dict:
     from lq.export import export_onnx
-    from lq.export._verify import make_session
+    from lq.export.verify._verify import make_session
 
     model.eval()
     calib = [_inputs(label, 32, s) for s in range(2 if fast else 8)]

@@ -117,7 +117,7 @@ def ort_times(paths: dict, x, threads: int, repeats: int, min_time: float) -> di
     """Seconds per inference of each model, one value per repeat; the models take turns within every
     repeat, so load from other processes hits all of them alike. ``x``: the input array of a
     single-input model, or a dict of feeds by input name."""
-    from lq.export._verify import make_session
+    from lq.export.verify._verify import make_session
 
     sessions = {}
     for key, p in paths.items():
@@ -242,7 +242,7 @@ def int16_safety(path: str) -> str:
     """"int16-safe", or how many integer kernels could saturate on a CPU without VNNI (from the file)."""
     import onnx
 
-    from lq.export._int16 import int16_risks
+    from lq.export.passes._int16 import int16_risks
 
     r = int16_risks(onnx.load(path))
     return "int16-safe on every x86 CPU" if not r else f"{len(r)} kernel(s) can saturate int16 without VNNI"
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as d:
         models, notes = build_contenders(float_model, batches, d, dynamo=bool(args.dynamo))
-        from lq.export._verify import make_session
+        from lq.export.verify._verify import make_session
 
         held_out = calibration_batches(1, 32, seed=99)[0]
         x = held_out.numpy()

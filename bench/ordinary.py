@@ -270,7 +270,7 @@ def torch_accuracy(model, x, y) -> float:
 
 
 def ort_accuracy(path: str, x, y) -> float:
-    from lq.export._verify import make_session
+    from lq.export.verify._verify import make_session
 
     sess = make_session(path, intra_op_num_threads=1)
     (logits,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
@@ -413,7 +413,7 @@ def run_minilm(fast: bool, d: str, log) -> dict:
     from lq.config import Int8ReduceRangeConfig
     from lq.convert import quantize_model
     from lq.export import export_onnx
-    from lq.export._verify import make_session
+    from lq.export.verify._verify import make_session
     from lq.tensor_quant import QuantDescriptor
 
     model, tok = M.load_model()

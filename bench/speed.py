@@ -206,7 +206,7 @@ def _minilm_onnx(d: str, log) -> dict:
     res = export_onnx(M.SentenceEmbedding(q).eval(), (ids[:8], mask[:8]), paths["lq INT8 (8-bit weights)"],
                       input_names=names, rtol=0.25)
     quantize_dynamic(paths["FP32 export"], paths["ORT quantize_dynamic"], weight_type=QuantType.QInt8)
-    from lq.export._verify import make_session
+    from lq.export.verify._verify import make_session
 
     with torch.no_grad():
         ref = M.SentenceEmbedding(q).eval()(ids, mask)
@@ -304,7 +304,7 @@ def write_markdown(res: dict, out: Path, cmd: str, seconds: float) -> Path:
               "(uint8 x int8 kernels, int16-safe); `ORT quantize_static`: onnxruntime's own tool on the FP32 "
               "export (QDQ, per-channel, after `quant_pre_process`) with its default u8s8 encoding and with u8u8; "
               "`quantize_dynamic` is its recipe for transformers. The last column is the check of "
-              "`lq.export._int16` on each file: whether an integer kernel can saturate int16 on a CPU without "
+              "`lq.export.passes._int16` on each file: whether an integer kernel can saturate int16 on a CPU without "
               "VNNI.", ""]
         for model in dict.fromkeys(r["model"] for r in res["onnx"]):
             rows = [r for r in res["onnx"] if r["model"] == model]

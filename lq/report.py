@@ -43,7 +43,7 @@ def kernel_rows(result) -> list[tuple[str, str, str, str]]:
     """``(layer, op, kernel, why float)`` per layer and kernel, in the file's order.
 
     A layer the export computes once per reader's grid (two quantizers of different scales read its output,
-    so each copy fuses: :func:`lq.export._placement`) has one row, its kernel counted (``QLinearConv x2``),
+    so each copy fuses: :func:`lq.export.passes._placement`) has one row, its kernel counted (``QLinearConv x2``),
     where the table listed the layer twice."""
     counts: dict[tuple, int] = {}
     for k in result.layer_kernels:

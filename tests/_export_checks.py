@@ -27,7 +27,7 @@ def assert_file_matches_pytorch(model: torch.nn.Module, res, x: torch.Tensor, ta
     """The export verified itself, and onnxruntime's output on ``x`` passes the export's own rule against
     PyTorch's (rounding ties in the quantizers may move it a few output steps). A TensorRT file runs as the export checks it,
     without onnxruntime's QDQ fusions: its int8 x int8 kernels saturate on CPUs without VNNI."""
-    from lq.export._verify import make_session, verify_level
+    from lq.export.verify._verify import make_session, verify_level
 
     assert res.verified
     with torch.no_grad():
@@ -46,7 +46,7 @@ def run_graph(model: onnx.ModelProto, x, level: str) -> list[np.ndarray]:
     one input named ``x``, or the feeds by input name."""
     import onnxruntime as ort
 
-    from lq.export._verify import make_session
+    from lq.export.verify._verify import make_session
 
     sess = make_session(model.SerializeToString(), ["CPUExecutionProvider"],
                         graph_optimization_level=getattr(ort.GraphOptimizationLevel, level))

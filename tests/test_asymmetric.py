@@ -201,7 +201,7 @@ def test_the_recipe_is_int16_safe_without_reencoding(tmp_path):
     the weights stay int8 (u8 x s8 kernels) instead of being re-encoded as uint8."""
     pytest.importorskip("onnxruntime")
     from lq.export import export_onnx
-    from lq.export._int16 import int16_risks
+    from lq.export.passes._int16 import int16_risks
 
     torch.manual_seed(1)
     x = torch.randn(32, 4, 12, 12) * 4
@@ -386,7 +386,7 @@ def test_conv_relu_batchnorm_runs_the_conv_integer_with_the_quantizer_on_the_rel
     symmetric recipe keeps its placement (a ReLU output on its signed grid would not fuse)."""
     from lq.config import RECIPES
     from lq.export import export_onnx
-    from lq.export._verify import optimized_op_counts
+    from lq.export.verify._verify import optimized_op_counts
 
     from _export_checks import assert_file_matches_pytorch
 

@@ -82,7 +82,7 @@ def test_the_emulated_cpu_runs_the_saturating_avx2_kernel(tmp_path):
 def _fused_lstm_file(path: str, q: np.ndarray, unsigned: bool) -> str:
     """One onnxruntime DynamicQuantizeLSTM step over input ``x`` (1, 2, K) whose weights lq's writer lays out
     from the integer rows ``q`` (4H, K), as int8 or as uint8 + 128; no recurrent weights."""
-    from lq.export._dynamic_lstm import _layout
+    from lq.export.passes._dynamic_lstm import _layout
 
     hidden = q.shape[0] // 4
     zp = np.full((1, 4 * hidden), 128 if unsigned else 0, np.uint8 if unsigned else np.int8)

@@ -495,7 +495,7 @@ def test_a_barely_trained_model_is_judged_in_its_output_steps(tmp_path):
     """A barely trained model's outputs are a few quantization steps, so verification counts in steps, not in a
     fraction of max|output|: the last Linear's input scale times its largest weight row norm (every input one
     step off moves an output by about that)."""
-    from lq.export._verify import output_step
+    from lq.export.verify._verify import output_step
 
     torch.manual_seed(0)
     model = _quantized(nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 4)))
@@ -590,8 +590,8 @@ def test_an_asked_opset_that_cannot_be_reached_is_said(tmp_path):
 
 
 def test_the_default_opset_covers_what_the_quantizers_need():
-    from lq.export._model_checks import model_min_opset
-    from lq.export._torch_onnx import choose_opset
+    from lq.export.prepare._model_checks import model_min_opset
+    from lq.export.trace._torch_onnx import choose_opset
     from lq.tensor_quant import QuantDescriptor
 
     fp8 = nn.Sequential(qnn.QuantLinear(8, 8, quant_desc_input=QuantDescriptor(num_bits=(4, 3))))

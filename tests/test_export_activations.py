@@ -29,7 +29,7 @@ import lq.nn as qnn
 from lq.calibration import calibrate_model
 from lq.convert import quantize_model
 from lq.export import export_onnx
-from lq.export._int16 import int16_risks
+from lq.export.passes._int16 import int16_risks
 
 ort = pytest.importorskip("onnxruntime")
 torch.set_flush_denormal(True)

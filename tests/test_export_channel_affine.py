@@ -1,5 +1,5 @@
 """A per-channel ``Mul -> Add`` (GroupNorm's affine) written as one BatchNormalization
-(:mod:`lq.export._channel_affine`).
+(:mod:`lq.export.passes._channel_affine`).
 
 The rewritten graph must give onnxruntime's numbers of the original (same two roundings: checked to float
 rounding, optimizations on and off); an affine along another axis, one that grows the tensor by broadcasting,
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from lq.export._channel_affine import affines_as_batchnorm
-from lq.export._finish import value_shapes
+from lq.export.passes._channel_affine import affines_as_batchnorm
+from lq.export.finish._finish import value_shapes
 
 from _export_checks import LEVELS, assert_file_matches_pytorch, quantize_calibrate_export, rewritten, run_graph
 

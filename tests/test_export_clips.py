@@ -1,5 +1,5 @@
 """ReLU6, Hardtanh and clamp (ONNX ``Clip``) between a conv and its reader's quantizer
-(:func:`lq.export._placement.hoist_quantizers`, :func:`lq.export._placement.clips_on_integers`).
+(:func:`lq.export.passes._placement.hoist_quantizers`, :func:`lq.export.passes._placement.clips_on_integers`).
 
 A rounding that keeps order distributes over min and max, so ``Q(clip(x, lo, hi)) == clamp(Q(x), Q(lo), Q(hi))``
 for any constant bounds: the quantizer after a Clip may be copied to its input (the conv then fuses into
@@ -20,8 +20,8 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from lq.export._ir import Graph
-from lq.export._placement import clips_on_integers, hoist_quantizers
-from lq.export._verify import make_session
+from lq.export.passes._placement import clips_on_integers, hoist_quantizers
+from lq.export.verify._verify import make_session
 
 from bench.ordinary import InvertedResidual
 

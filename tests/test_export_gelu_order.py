@@ -1,4 +1,4 @@
-"""GELU in the operand order onnxruntime fuses (:mod:`lq.export._gelu_order`).
+"""GELU in the operand order onnxruntime fuses (:mod:`lq.export.passes._gelu_order`).
 
 The rewrite must leave onnxruntime's numbers unchanged (bit for bit with its optimizations off), must make
 onnxruntime run one Gelu/BiasGelu kernel, must leave look-alikes with other constants or shared intermediate
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from lq.export._gelu_order import reorder_gelus
+from lq.export.passes._gelu_order import reorder_gelus
 
 from _export_checks import assert_file_matches_pytorch, quantize_calibrate_export, rewritten
 

@@ -17,7 +17,8 @@ import lq.nn as qnn
 from lq import report
 from lq.calibration import calibrate_model
 from lq.convert import quantize_model
-from lq.export import INT8_KERNELS, _timing, export_onnx, optimized_op_counts
+from lq.export import INT8_KERNELS, export_onnx, optimized_op_counts
+from lq.export.timing import _timing
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -161,7 +162,7 @@ def test_split_attention_weights_still_run_integer_matmuls(tmp_path):
     int8 constant), so onnxruntime runs all of them, and both attention matmuls, as integer kernels."""
     x = torch.randn(4, 6, 32)
     res = _export(_quantized(AttentionNet(), x), x, tmp_path)
-    # (a projection whose bias is added right after it is written as Gemm: lq.export._linear_gemm)
+    # (a projection whose bias is added right after it is written as Gemm: lq.export.passes._linear_gemm)
     attn = [k for k in res.layer_kernels if k.layer.startswith("attn") and k.op in ("MatMul", "Gemm")]
     assert len(attn) == 6 and all(k.integer for k in attn), [(k.layer, k.kernel, k.reason) for k in attn]
 

@@ -1,4 +1,4 @@
-"""A Linear on a 3-D input (MatMul + bias Add) written as Reshape -> Gemm -> Reshape (:mod:`lq.export._linear_gemm`).
+"""A Linear on a 3-D input (MatMul + bias Add) written as Reshape -> Gemm -> Reshape (:mod:`lq.export.passes._linear_gemm`).
 
 The rewrite reshapes the integers before they are dequantized and computes the same sums: these tests check
 the rewritten graph against onnxruntime on the original one (optimizations off and on), on 3-D and 4-D inputs
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from lq.export._int16 import int16_risks
-from lq.export._linear_gemm import linears_as_gemm
+from lq.export.passes._int16 import int16_risks
+from lq.export.passes._linear_gemm import linears_as_gemm
 
 from _export_checks import LEVELS, assert_file_matches_pytorch, quantize_calibrate_export, rewritten, run_graph
 

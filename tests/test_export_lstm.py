@@ -193,7 +193,7 @@ def test_the_steps_matmuls_run_on_integer_kernels_inside_the_loop(tmp_path):
     res = export_onnx(model, torch.randn(2, 6, 5), tmp_path / "lstm.onnx", dynamic_dims=(1,))
     rnn = [k for k in res.layer_kernels if k.layer == "rnn"]
     # per layer and direction: the input projection of all steps (outside; with its bias a Gemm on the flattened
-    # steps, lq.export._linear_gemm) and the recurrent Gemm (in the body)
+    # steps, lq.export.passes._linear_gemm) and the recurrent Gemm (in the body)
     assert sorted(k.op for k in rnn) == ["Gemm"] * 8
     assert all(k.integer for k in rnn), [k.text() for k in rnn]
     assert res.ort_ops["QGemm"] >= 4  # counted inside the loop bodies too
@@ -205,7 +205,8 @@ def test_the_steps_matmuls_run_on_integer_kernels_inside_the_loop(tmp_path):
 def _twins(monkeypatch, model, sample, path):
     """Export ``model`` and return its FP32 twin both ways, from the exporter's graph: recurrent layers as
     ONNX LSTM ops (what the export times against) and as the float Scan of the INT8 file's step."""
-    from lq.export import _export, _float_twin
+    from lq.export import _export
+    from lq.export.timing import _float_twin
 
     seen, real = [], _float_twin.float_twin
 
@@ -318,7 +319,7 @@ def test_packed_input_is_refused_in_loop_mode_with_one_line():
 
 
 def test_the_placeholder_op_does_not_run_eagerly():
-    from lq.export import _loop_ops  # noqa: F401  (defines torch.ops.lq_export)
+    from lq.export.prepare import _loop_ops  # noqa: F401  (defines torch.ops.lq_export)
 
     t = torch.zeros(2, 3, 4)
     with pytest.raises(RuntimeError, match="does not run"):

@@ -1,4 +1,4 @@
-"""A spatial mean moved in front of the 1x1 conv whose output it averages (:mod:`lq.export._mean_first`).
+"""A spatial mean moved in front of the 1x1 conv whose output it averages (:mod:`lq.export.passes._mean_first`).
 
 The move is exact in arithmetic (a 1x1 conv is the same linear map at every pixel) and leaves only float
 summation order: these tests check the rewritten graph against onnxruntime on the original one (optimizations
@@ -17,9 +17,9 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from lq.export._kernel_report import ON_THE_MEAN
-from lq.export._mean_first import MEAN_FIRST, mean_before_pointwise_convs
-from lq.export._verify import make_session
+from lq.export.report._kernel_report import ON_THE_MEAN
+from lq.export.passes._mean_first import MEAN_FIRST, mean_before_pointwise_convs
+from lq.export.verify._verify import make_session
 from _export_checks import LEVELS, assert_file_matches_pytorch, quantize_calibrate_export, rewritten, run_graph
 
 ort = pytest.importorskip("onnxruntime")

@@ -1,4 +1,4 @@
-"""Max pooling moved in front of a PReLU/LeakyReLU with non-negative slopes (:mod:`lq.export._pool_first`).
+"""Max pooling moved in front of a PReLU/LeakyReLU with non-negative slopes (:mod:`lq.export.passes._pool_first`).
 
 The swap is exact only for a non-decreasing activation: these tests check that the rewritten graph gives
 onnxruntime's very numbers of the original one (bit for bit, optimizations on and off), that a negative slope
@@ -20,7 +20,7 @@ from lq.calibration import calibrate_model
 from lq.config import QuantizerConfig
 from lq.convert import quantize_model
 from lq.export import export_onnx
-from lq.export._pool_first import pool_before_activations
+from lq.export.passes._pool_first import pool_before_activations
 from lq.tensor_quant import QuantDescriptor
 
 from _export_checks import LEVELS, rewritten, run_graph

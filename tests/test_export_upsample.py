@@ -1,4 +1,4 @@
-"""Nearest upsampling of a conv's quantized output as a channels-last Expand (:mod:`lq.export._upsample`).
+"""Nearest upsampling of a conv's quantized output as a channels-last Expand (:mod:`lq.export.passes._upsample`).
 
 Pure data movement, so the rewritten graph must give onnxruntime's numbers of the original Resize bit for bit
 (optimizations on and off, batch and spatial size dynamic); resizes the rewrite would not reproduce (other
@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from lq.export._finish import value_shapes
+from lq.export.finish._finish import value_shapes
 from lq.export._rules import ORT_NHWC_UPSAMPLE_MIN_CHANNELS
-from lq.export._upsample import nearest_upsamples_as_expand
+from lq.export.passes._upsample import nearest_upsamples_as_expand
 
 from _export_checks import LEVELS, assert_file_matches_pytorch, quantize_calibrate_export, rewritten, run_graph
 

@@ -503,7 +503,7 @@ def test_unet_skip_tensor_has_one_grid_and_every_conv_is_integer(tmp_path, metho
     operand is quantized by that conv's own input quantizer (through the max pool and the nn.Sequential), so
     the tensor has one grid whatever the calibration, the conv writing it fuses, nearest upsampling runs on
     integers and the concat is QLinearConcat. Only the 1x1 head is float: the mean that read it now runs first
-    and the head on one pixel per image (lq.export._mean_first), and the report says so."""
+    and the head on one pixel per image (lq.export.passes._mean_first), and the report says so."""
     pytest.importorskip("onnxruntime")
     from bench.ordinary import UNet
 

@@ -2,7 +2,7 @@
 
 onnxruntime's x86 u8 x s8 kernels without VNNI add two adjacent products in a saturating int16. The
 tests here do not depend on the CPU they run on: they check the ONNX file's integers (the check of
-``lq.export._int16``), test that check against a brute-force emulation of the instruction, and export
+``lq.export.passes._int16``), test that check against a brute-force emulation of the instruction, and export
 real models to show that every file lq writes for onnxruntime passes it.
 """
 
@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from lq.export import export_onnx
-from lq.export._int16 import INT16_MAX, int16_risks, worst_pair_per_channel
+from lq.export.passes._int16 import INT16_MAX, int16_risks, worst_pair_per_channel
 from lq.tensor_quant import QuantDescriptor
 
 from _avx2 import pmaddubsw_dot

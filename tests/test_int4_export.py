@@ -1,4 +1,4 @@
-"""Block-quantized Linear weights exported for onnxruntime as ``com.microsoft.MatMulNBits`` (lq.export._matmul_nbits).
+"""Block-quantized Linear weights exported for onnxruntime as ``com.microsoft.MatMulNBits`` (lq.export.passes._matmul_nbits).
 
 The file must hold exactly lq's fake-quant weights: the codes and scales are decoded from the file and compared
 with lq's reference op (``lq._reference.quant`` on the block view, with the quantizer's own amax), on every block
@@ -22,7 +22,7 @@ from lq.calibration import calibrate_model
 from lq.callbacks.swap import QuantSwap
 from lq.config import Int4BlockWeightConfig, QuantizerConfig
 from lq.export import export_onnx
-from lq.export._result import VerificationError
+from lq.export.report._result import VerificationError
 
 pytest.importorskip("onnxruntime")
 torch.set_flush_denormal(True)
@@ -118,7 +118,7 @@ def test_both_exporters_write_matmul_nbits_with_the_bias_inside(tmp_path, dynamo
 
 
 def test_wrong_nibble_order_or_block_axis_fails_verification(tmp_path, monkeypatch):
-    from lq.export import _matmul_nbits
+    from lq.export.passes import _matmul_nbits
 
     m, x = _model()
     real = _matmul_nbits._node

@@ -1,6 +1,6 @@
 """Dependencies point one way: the numerics and the modules never import the exporter.
 
-``lq.nn`` (a QuantLSTM) imported ``lq.export._loop_ops`` for the markers it traces in the export, so building a
+``lq.nn`` (a QuantLSTM) imported ``lq.export.prepare._loop_ops`` for the markers it traces in the export, so building a
 quantized model pulled in onnx and the exporter, and the exporter could not be changed without the modules.
 Checked on the source (every import statement, also those inside functions), so an import that only runs
 on some path is caught too."""
@@ -36,7 +36,7 @@ def test_modules_and_numerics_never_import_the_exporter():
 
 def test_the_recurrent_markers_are_the_exporters_ops():
     """One definition of the markers: the exporter writes exactly the ops the module traces."""
-    from lq.export import _loop_ops
+    from lq.export.prepare import _loop_ops
     from lq.nn.modules import _rnn_markers
 
     assert _loop_ops.lstm_scan is _rnn_markers.lstm_scan and _loop_ops.loop_state is _rnn_markers.loop_state

@@ -1,4 +1,4 @@
-"""Verification judges a deep model's file against the model's own rounding noise (lq.export._rounding_noise).
+"""Verification judges a deep model's file against the model's own rounding noise (lq.export.verify._rounding_noise).
 
 A 16-block EfficientNet-style net trained on padded digits failed the fixed count (7-24% of its logits beyond 6
 steps) although its file computes what PyTorch does up to rounding: PyTorch itself, with every activation
@@ -17,8 +17,8 @@ import lq
 from lq.callbacks import QuantSwap
 from lq.config import Int8OnnxruntimeConfig
 from lq.export import VerificationError
-from lq.export import _rounding_noise as noise
-from lq.export import _verify
+from lq.export.verify import _rounding_noise as noise
+from lq.export.verify import _verify
 from lq.nn import TensorQuantizer
 
 torch.set_flush_denormal(True)

@@ -24,7 +24,9 @@ from torch import nn
 from lq.calibration import calibrate_model
 from lq.config import ExportConfig
 from lq.convert import quantize_model
-from lq.export import _export, _fp32_reference, _timing, _verify, export_onnx
+from lq.export import _export, export_onnx
+from lq.export.timing import _fp32_reference, _timing
+from lq.export.verify import _verify
 
 torch.set_flush_denormal(True)
 ort = pytest.importorskip("onnxruntime")

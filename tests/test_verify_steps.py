@@ -19,7 +19,7 @@ from torch import nn
 
 import lq
 from lq.export import VerificationError
-from lq.export import _verify
+from lq.export.verify import _verify
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -286,7 +286,7 @@ def test_the_step_after_a_linear_is_its_input_scale_times_its_largest_weight_row
 # =========================================================================== (b) a wrong rewrite fails
 def _wrong_stem_scale(monkeypatch, factor: float) -> None:
     """Make BatchNorm folding write the first conv's weight scale ``factor`` times too large: a wrong rewrite."""
-    from lq.export import _fold_bn
+    from lq.export.passes import _fold_bn
 
     fold = _fold_bn.fold_batchnorm
 
@@ -350,7 +350,7 @@ def test_a_file_whose_predictions_differ_on_a_few_percent_fails(mobilenet200, mo
     logit range wide, as efficientnet's 151-wide one)."""
     import copy
 
-    from lq.export import _finish
+    from lq.export.finish import _finish
 
     model, _, x = mobilenet200
     model = copy.deepcopy(model)

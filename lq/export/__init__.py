@@ -18,10 +18,10 @@ from lq.export._export import (
     export_onnx,
     find_uncalibrated_quantizers,
 )
-from lq.export._fold_bn import FoldRecord
+from lq.export.passes._fold_bn import FoldRecord
 from lq.export._ir import ExportError, QuantNodeInfo
-from lq.export._kernel_report import LayerKernel
-from lq.export._verify import INT8_KERNELS, optimized_op_counts
+from lq.export.report._kernel_report import LayerKernel
+from lq.export.verify._verify import INT8_KERNELS, optimized_op_counts
 
 __all__ = [
     "export_onnx",

@@ -16,15 +16,19 @@ import onnx
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from lq.export import (_channel_affine, _dynamic_lstm, _finish, _float_convs, _float_twin, _fold_bn, _fold_constants,
-                       _fp32_reference, _gelu_order, _int16, _kernel_report, _linear_gemm, _loop_ops, _loops, _lower,
-                       _matmul_nbits, _mean_first, _model_checks, _placement, _pool_first, _rounding_noise, _symbolic,
-                       _timing, _torch_onnx, _upsample, _verify)
-from lq.export._fold_bn import FoldRecord
+from lq.export.finish import _finish
+from lq.export.passes import (_channel_affine, _dynamic_lstm, _float_convs, _fold_bn, _fold_constants, _gelu_order, _int16,
+                              _linear_gemm, _loops, _lower, _matmul_nbits, _mean_first, _placement, _pool_first, _upsample)
+from lq.export.prepare import _loop_ops, _model_checks
+from lq.export.report import _kernel_report
+from lq.export.timing import _float_twin, _fp32_reference, _timing
+from lq.export.trace import _symbolic, _torch_onnx
+from lq.export.verify import _rounding_noise, _verify
+from lq.export.passes._fold_bn import FoldRecord
 from lq.export._ir import ExportError, Graph, QuantNodeInfo, all_nodes, layer_name
-from lq.export._kernel_report import LayerKernel
-from lq.export._model_checks import find_uncalibrated_quantizers
-from lq.export._result import ExportResult, VerificationError
+from lq.export.report._kernel_report import LayerKernel
+from lq.export.prepare._model_checks import find_uncalibrated_quantizers
+from lq.export.report._result import ExportResult, VerificationError
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +107,7 @@ def export_onnx(
         check: run ``onnx.checker.check_model``.
         verify: run the model in onnxruntime on ``sample_input`` and compare with the PyTorch
             fake-quant output; raise :class:`VerificationError` when they disagree. Judged in output
-            quantization steps (see :mod:`lq.export._verify`): an output fails when more than 1% of its
+            quantization steps (see :mod:`lq.export.verify._verify`): an output fails when more than 1% of its
             elements are over 6 steps off (rounding ties cascade through a deep network: a few steps are
             normal), or, for (batch, classes) logits, when the top-1 class differs beyond a rounding tie on more
             than 1% of the rows. The numbers are in ``ExportResult.output_checks``.
@@ -446,7 +450,7 @@ def export_onnx(
 
 def _measure_rounding_noise(work, cases, checks) -> None:
     """Add to ``checks`` how far PyTorch's own output moves under rounding-level noise (see
-    :mod:`lq.export._rounding_noise`) on the verification inputs."""
+    :mod:`lq.export.verify._rounding_noise`) on the verification inputs."""
     def run(inputs):
         return lambda m: [o.detach().float().numpy() for o in _torch_onnx.flatten_out(m(*inputs))]
 

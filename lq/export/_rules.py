@@ -75,7 +75,7 @@ FLOAT_WEIGHTS = "dequantized_float"
 FLOAT_MARKERS = (FLOAT_BY_CHOICE, FLOAT_WEIGHTS)
 
 #: a nearest upsample (by whole factors) of a conv's quantized output is written as a channels-last Expand
-#: (:mod:`lq.export._upsample`) from this many channels on: onnxruntime resizes it in NHWC with an index per
+#: (:mod:`lq.export.passes._upsample`) from this many channels on: onnxruntime resizes it in NHWC with an index per
 #: element. Between two QLinearConvs (batch 32, 16x16 -> 32x32, AVX-512 VNNI), conv + upsample + conv took
 #: 1.15 vs 1.18 ms (Resize vs Expand) at 4 channels, 1.50 vs 1.40 at 8, 1.39 vs 1.10 at 16, 10.1 vs 8.5 at 64.
 ORT_NHWC_UPSAMPLE_MIN_CHANNELS = 8

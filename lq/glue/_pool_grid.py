@@ -3,7 +3,7 @@
 Max pooling maps a grid onto itself, so the tensor after the pool is already on the grid of the pool's input
 quantizer. With two quantizers calibrated apart (an asymmetric recipe, or any method but max) the reader's grid
 differs (the pool raises the minimum), and the file then holds Q -> DQ -> MaxPool -> Q -> DQ on two grids: the
-pool cannot run on integers, cannot move in front of a PReLU (:mod:`lq.export._pool_first` would leave two Q/DQ
+pool cannot run on integers, cannot move in front of a PReLU (:mod:`lq.export.passes._pool_first` would leave two Q/DQ
 pairs side by side, which onnxruntime merges into one rounding), and an O-Net-style net drops from 1.63x to 0.87x
 FP32. onnxruntime's own quantizer gives a MaxPool's output its input's scale and zero point; lq does the same in
 the model: the pool's input quantizer is the reader's (one module under two names), calibrated on both, so PyTorch

@@ -2,12 +2,12 @@
 
 Why: torch.export follows a Python loop step by step, so an LSTM over T steps became T copies of its step
 (fixed to the sample's T, thousands of nodes, minutes to export). When the exporter sets the module's
-``_export_as_loop`` (:func:`lq.export._loop_ops.loop_mode`), :meth:`~lq.nn.QuantLSTM._direction_loop` calls,
+``_export_as_loop`` (:func:`lq.export.prepare._loop_ops.loop_mode`), :meth:`~lq.nn.QuantLSTM._direction_loop` calls,
 per layer and direction:
 
 * ``lq_export::loop_state(h0)``: a marker for "the hidden state the step reads". The layer's input quantizer
   is applied to it in the traced graph, so the quantizer writes its own Q/DQ (whatever kind it is) once, and
-  :mod:`lq.export._loops` moves the nodes between the marker and the op into the loop body: no second copy
+  :mod:`lq.export.passes._loops` moves the nodes between the marker and the op into the loop body: no second copy
   of any quantizer's numerics exists;
 * ``lq_export::lstm_scan(xw, h0, c0, h_q, w_hh, b_hh, w_hr, reverse, hidden_size)``: the recurrence. ``xw``
   is the input projection of every step at once (one large GEMM outside the loop, exact because the input

@@ -31,7 +31,7 @@ the export writes as an ONNX ``Scan``: one loop, any sequence length, the step's
 ``QuantLSTM.set_runtime_dynamic()`` (``recurrent="dynamic"`` in :class:`lq.config.QuantConfig`) computes
 instead what onnxruntime's fused ``DynamicQuantizeLSTM`` runs: no input quantizers, each layer's input and
 every step's ``h`` quantized to uint8 from themselves (:mod:`lq.nn.modules._runtime_dynamic`), the weights as
-calibrated; exported as that one op per layer and direction (:mod:`lq.export._dynamic_lstm`).
+calibrated; exported as that one op per layer and direction (:mod:`lq.export.passes._dynamic_lstm`).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class QuantLSTM(nn.LSTM, QuantMixin):
 
     default_quant_desc_weight = tensor_quant.QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW
     _quantizer_names = ("_input_quantizers", "_weight_quantizers", "_weight_hr_quantizers")
-    #: set by lq.export on the copy it exports (:func:`lq.export._loop_ops.loop_mode`): trace the time loop as
+    #: set by lq.export on the copy it exports (:func:`lq.export.prepare._loop_ops.loop_mode`): trace the time loop as
     #: one placeholder op per layer and direction instead of one step per time step
     _export_as_loop = False
     #: activations quantized as onnxruntime's fused ``DynamicQuantizeLSTM`` does it (set with

@@ -20,12 +20,12 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from lq.export._finish import remove_placeholder_opset
+from lq.export.finish._finish import remove_placeholder_opset
 from lq.export._ir import Graph, attr, drop_unread, subgraphs
-from lq.export._dynamic_lstm import gate_rows
-from lq.export._loop_ops import DYNAMIC_LSTM, LOOP_STATE, LSTM_SCAN
-from lq.export._loops import lower_recurrent
-from lq.export._symbolic import DOMAIN
+from lq.export.passes._dynamic_lstm import gate_rows
+from lq.export.prepare._loop_ops import DYNAMIC_LSTM, LOOP_STATE, LSTM_SCAN
+from lq.export.passes._loops import lower_recurrent
+from lq.export.trace._symbolic import DOMAIN
 
 def float_twin(model: onnx.ModelProto, fused_recurrent: bool = True) -> onnx.ModelProto:
     """A copy of the exporter's graph (lq placeholders still in it, recurrent ones not yet lowered) with each

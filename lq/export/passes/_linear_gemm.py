@@ -16,7 +16,7 @@ The rewrite, on the integer side so that the quantizer stays where its producer 
 
 Reshaping the integers and dequantizing them is the same as dequantizing and reshaping (per-tensor scale),
 and ``Gemm`` computes the same sums as ``MatMul`` + ``Add``; the bias then becomes int32 like a conv's
-(:func:`lq.export._placement.quantize_bias`: at most half of ``s_input * s_weight`` from PyTorch's float bias).
+(:func:`lq.export.passes._placement.quantize_bias`: at most half of ``s_input * s_weight`` from PyTorch's float bias).
 Only for a per-tensor quantized input, an int8/uint8 2-D constant weight and a constant bias over the last
 axis, where the MatMul's output is read by the Add alone; opset >= 15 (``Shape`` with ``end``).
 """

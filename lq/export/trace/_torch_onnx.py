@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import onnx
 import torch
 
-from lq.export import _symbolic
+from lq.export.trace import _symbolic
 from lq.export._ir import all_nodes
 
 MIN_OPSET, MAX_OPSET = 13, 23
@@ -86,7 +86,7 @@ def extra_dims(dynamic_dims, tensors: list) -> list[dict[int, str]]:
 
 def choose_opset(opset, min_opset: int, exporter: str) -> int:
     """``opset`` as given, or (None) the exporter's own opset raised to what the model's quantizers need
-    (:func:`lq.export._model_checks.model_min_opset`)."""
+    (:func:`lq.export.prepare._model_checks.model_min_opset`)."""
     if opset is None:
         return max(NATIVE_OPSET[exporter], min_opset)
     if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from lq.export import _timing, _verify
-from lq.export._fold_bn import FoldRecord
+from lq.export.timing import _timing
+
+from lq.export.verify import _verify
+from lq.export.passes._fold_bn import FoldRecord
 from lq.export._ir import ExportError, QuantNodeInfo
-from lq.export._kernel_report import LayerKernel
+from lq.export.report._kernel_report import LayerKernel
 
 
 class VerificationError(ExportError):
@@ -31,7 +33,7 @@ class ExportResult:
         max_abs_diff: max |onnxruntime - PyTorch fake-quant| on the sample (None when not verified).
         tolerance: the bound on ``max_abs_diff`` the user set (``atol + rtol * max|PyTorch output|``); None when
             none was set and the file was judged in output steps (``output_checks``).
-        output_checks: per output, what verification measured (:class:`lq.export._verify.OutputCheck`): its
+        output_checks: per output, what verification measured (:class:`lq.export.verify._verify.OutputCheck`): its
             quantization step, how many elements are more than 1, 2 and 6 steps from PyTorch's, the largest
             difference in steps, and for (batch, classes) logits the rows whose top-1 class differs. Empty when
             not verified.
@@ -52,7 +54,7 @@ class ExportResult:
         speed_check: the INT8 file timed against the plain FP32 export of the same model (``torch.onnx.export`` of
             the float model; the FP32 twin of the graph only where that export fails, said in ``warnings``) in
             onnxruntime, 1 thread, at ``speed_batch`` or the sample's batch, in interleaved rounds
-            (:class:`lq.export._timing.SpeedCheck`): ``ratio = fp32_ms / int8_ms``, those two the median times, the
+            (:class:`lq.export.timing._timing.SpeedCheck`): ``ratio = fp32_ms / int8_ms``, those two the median times, the
             per-round ratios' quartiles, and whether the rounds disagree (``noisy``, ``noise``). None when not
             measured (verify and check_fusion for onnxruntime only). Below 1 a warning says so in those terms and
             names the layers that run in float.

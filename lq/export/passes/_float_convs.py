@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lq.export._finish import _dequantize
+from lq.export.finish._finish import _dequantize
 from lq.export._ir import Graph, attr
 from lq.export._rules import FLOAT_BY_CHOICE, FLOAT_WEIGHTS, ort_prefers_float_conv
 

@@ -7,7 +7,7 @@ import onnx
 from onnx import helper
 
 from lq.export._ir import Graph, all_nodes, attr, set_attr
-from lq.export._symbolic import DOMAIN
+from lq.export.trace._symbolic import DOMAIN
 
 
 def _sole_weight_dq(g: Graph, node, prod: dict, cons: dict):

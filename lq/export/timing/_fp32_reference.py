@@ -19,8 +19,10 @@ import copy
 import onnx
 import torch
 
-from lq.export import _finish, _torch_onnx
-from lq.export._model_checks import _is_quantizer
+from lq.export.finish import _finish
+
+from lq.export.trace import _torch_onnx
+from lq.export.prepare._model_checks import _is_quantizer
 
 
 def float_model(model: torch.nn.Module) -> torch.nn.Module:

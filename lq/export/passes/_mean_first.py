@@ -11,13 +11,13 @@ quantized input, as before; only the order of the sums changes).
 
 ``ReduceMean`` over exactly the spatial axes (either ``keepdims``) and ``GlobalAveragePool`` are moved; the conv
 must be read by the mean alone and not be a model output. The moved pool is named with :data:`MEAN_FIRST` so that
-the kernel report can say why the conv is float (:mod:`lq.export._kernel_report`).
+the kernel report can say why the conv is float (:mod:`lq.export.report._kernel_report`).
 """
 
 from __future__ import annotations
 
 from lq.export._ir import Graph, attr
-from lq.export._placement import spatial_mean
+from lq.export.passes._placement import spatial_mean
 
 #: the name of a pool this pass moved in front of a 1x1 conv (the kernel report looks for it)
 MEAN_FIRST = "mean_first"

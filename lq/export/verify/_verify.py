@@ -106,7 +106,7 @@ def output_steps(model) -> list[float]:
     """
     from onnx import numpy_helper
 
-    from lq.export._finish import _dequantize
+    from lq.export.finish._finish import _dequantize
     from lq.export._ir import Graph
     from lq.export._rules import commutes
 
@@ -204,7 +204,7 @@ FAR_FRACTION = 0.01
 #: logits to rounding and the argmax of two equal values is arbitrary.
 TOP1_FRACTION = 0.01
 TIE_STEPS = 2 * FAR_STEPS
-#: A model whose own output moves by many steps under rounding-level noise (see :mod:`lq.export._rounding_noise`:
+#: A model whose own output moves by many steps under rounding-level noise (see :mod:`lq.export.verify._rounding_noise`:
 #: every activation quantizer's input moved by up to 1% of its step) cannot meet FAR_FRACTION with any runtime:
 #: such an output is allowed FAR_FRACTION plus NOISE_FACTOR times the fraction beyond FAR_STEPS that the noise
 #: itself gives. Measured (EfficientNet-style, 16 MBConv blocks, 256 test digits, int8_onnxruntime): the file

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from lq.export import _verify
+from lq.export.verify import _verify
 
 #: the reference a user compares an INT8 file with: ``torch.onnx.export`` of the float model
 PLAIN = "the plain FP32 export of this model"

@@ -3,7 +3,7 @@
 Both exporters translate every lq op into a placeholder node of the private
 domain ``lq.export`` that carries the op's arguments as attributes
 (``FakeQuant(x, amax){num_bits, unsigned, narrow_range, x_rank}`` and so on).
-:mod:`lq.export._lower` then lowers the placeholders to standard
+:mod:`lq.export.passes._lower` then lowers the placeholders to standard
 QuantizeLinear/DequantizeLinear with constant scales, once the whole graph
 (and so which inputs are constant weights, what follows each quantizer, the
 layer names) is known. No placeholder is left in a saved model.
@@ -117,7 +117,7 @@ def translation_table() -> dict:
         axes = op.Constant(value_ints=[int(d) for d in (dim if isinstance(dim, (list, tuple)) else [dim])])
         return op.ReduceMax(x, axes, keepdims=int(bool(keepdim)))
 
-    from lq.export import _loop_ops  # the recurrent placeholders (QuantLSTM as one loop)
+    from lq.export.prepare import _loop_ops  # the recurrent placeholders (QuantLSTM as one loop)
 
     ops = torch.ops.lq
     return {

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from lq.export._ir import Graph, attr, drop_unread
-from lq.export._placement import same_q
+from lq.export.passes._placement import same_q
 from lq.export._rules import ORT_NHWC_UPSAMPLE_MIN_CHANNELS
 
 #: ops between a conv and the quantized tensor that leave it in onnxruntime's NHWC layout (a max pool with its

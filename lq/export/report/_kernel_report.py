@@ -15,14 +15,14 @@ import re
 import onnx
 
 from lq.export._ir import Graph, as_model
-from lq.export._mean_first import MEAN_FIRST
+from lq.export.passes._mean_first import MEAN_FIRST
 from lq.export._rules import FLOAT_BY_CHOICE, FLOAT_MARKERS, ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP
-from lq.export._verify import INT8_KERNELS, RUNTIME_QUANTIZED_LSTM
+from lq.export.verify._verify import INT8_KERNELS, RUNTIME_QUANTIZED_LSTM
 
-#: the reason of a conv the export left float on purpose (:mod:`lq.export._float_convs`)
+#: the reason of a conv the export left float on purpose (:mod:`lq.export.passes._float_convs`)
 BY_CHOICE = (f"float by choice: fewer than {ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP} input channels per group "
              "(depthwise or a 1-3 channel stem), where onnxruntime's float conv is faster than its integer one")
-#: the reason of a 1x1 conv the export moved behind the spatial mean that read it (:mod:`lq.export._mean_first`)
+#: the reason of a 1x1 conv the export moved behind the spatial mean that read it (:mod:`lq.export.passes._mean_first`)
 ON_THE_MEAN = ("float by choice: a 1x1 conv whose output was averaged now runs on the average of its input "
                "(one pixel per image instead of the whole map: less work than any kernel, the same numbers)")
 #: reasons of convs the export left float on purpose, because that is faster
@@ -103,7 +103,7 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: 
 
 
 def _float_weights(name: str) -> bool:
-    """A weight the export stored as its dequantized float values (:mod:`lq.export._float_convs`)."""
+    """A weight the export stored as its dequantized float values (:mod:`lq.export.passes._float_convs`)."""
     return any(m in name for m in FLOAT_MARKERS)
 
 
@@ -187,7 +187,7 @@ def _kernels(g: Graph, optimized: onnx.GraphProto, model: onnx.ModelProto, layer
             out.append(LayerKernel(layer_of.get(n.name) or n.name, n.op_type, kernel,
                                    None if kernel in INT8_KERNELS else "onnxruntime did not run its fused kernel"))
             continue
-        if n.op_type == BLOCK_KERNEL:  # block-quantized weights inside the op (lq.export._matmul_nbits)
+        if n.op_type == BLOCK_KERNEL:  # block-quantized weights inside the op (lq.export.passes._matmul_nbits)
             kernel = opt_by_name[n.name].op_type if n.name in opt_by_name else n.op_type
             out.append(LayerKernel(layer_of.get(n.name) or n.name, n.op_type, kernel,
                                    None if kernel in INT8_KERNELS else "onnxruntime did not run its 4-bit kernel"))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from lq.export._ir import Graph, attr
-from lq.export._placement import same_q
+from lq.export.passes._placement import same_q
 
 _ACTIVATIONS = ("PRelu", "LeakyRelu")
 

@@ -3,7 +3,7 @@
 A ``QuantLSTM`` traces as the markers of :mod:`lq.nn.modules._rnn_markers` (``loop_state``, ``lstm_scan``,
 ``dynamic_lstm``) when :func:`loop_mode` switches it to that path, where its numerics allow it (and says which
 layers stay unrolled and why). :func:`translations` writes the markers as placeholder nodes of the
-``lq.export`` domain, which :mod:`lq.export._loops` turns into ``Scan`` and :mod:`lq.export._dynamic_lstm`
+``lq.export`` domain, which :mod:`lq.export.passes._loops` turns into ``Scan`` and :mod:`lq.export.passes._dynamic_lstm`
 into onnxruntime's ``DynamicQuantizeLSTM``.
 """
 
@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from lq.export._symbolic import DOMAIN, VERSION, register_placeholder
+from lq.export.trace._symbolic import DOMAIN, VERSION, register_placeholder
 from lq.nn.modules._rnn_markers import dynamic_lstm, loop_state, lstm_scan  # noqa: F401  (the ops this writes)
 
 __all__ = ["loop_state", "lstm_scan", "dynamic_lstm", "loop_mode", "translations"]

@@ -1,0 +1,1 @@
+"""Stage 4, finish: shapes, metadata and weight layout of the finished file."""

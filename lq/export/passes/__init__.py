@@ -1,0 +1,1 @@
+"""Stage 3, rewrite: the graph passes that lower placeholders to Q/DQ and place them for the runtime."""

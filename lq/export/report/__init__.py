@@ -1,0 +1,1 @@
+"""Stage 7, report: which kernels onnxruntime runs, and the ExportResult."""

@@ -1,0 +1,1 @@
+"""Stage 5, verify: onnxruntime against the PyTorch fake-quant model, judged in output steps."""
