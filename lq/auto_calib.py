@@ -28,6 +28,9 @@ on the ``lq`` logger, returned by :func:`lq.calibrate_model` as ``.auto``, and s
 
 Under torch.distributed the metric is averaged over the ranks before every comparison, the check's
 included, so every rank takes the same decisions (their histograms are already reduced).
+
+:mod:`lq.calibration` runs this module; it imports neither that nor :mod:`lq.sensitivity`: the search, the
+metric and the layer helpers it shares with them live below all three, in :mod:`lq.calib._fidelity`.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from lq.calib._fidelity import _glob_escape, calibration_method_search, fidelity_metric, group_members, quantized_layers
 
 #: what ``auto`` tries, in order (the first is where every group starts)
 CANDIDATES = ("max", "percentile", "mse", "entropy")
@@ -120,8 +125,6 @@ def role(layer: str) -> str:
 
 def groups(model: nn.Module, names: Iterable[str]) -> dict[str, list[str]]:
     """``{role: [exact globs of its layers]}`` for the quantized layers owning the quantizers ``names``."""
-    from lq.sensitivity import _glob_escape, quantized_layers
-
     layers = quantized_layers(model)
     wanted = {n.rsplit(".", 1)[0] for n in names}
     out: dict[str, list[str]] = {}
@@ -159,8 +162,6 @@ def choose(model: nn.Module, quantizers: list, methods: Mapping[str, str], batch
     """Set amax of the ``auto`` quantizers (already loaded at ``max``) by the search on ``batches`` (the
     selection batches), then check the choice against ``max`` everywhere on ``check`` (default: ``batches``)
     and fall back to ``max`` when it is worse. Returns what was done (None: nothing to choose)."""
-    from lq.sensitivity import calibration_method_search, fidelity_metric, group_members
-
     auto = [n for n, _ in quantizers if methods.get(n) == "auto"]
     grp = groups(model, auto)
     if not grp or (not batches and not _distributed()):

@@ -17,19 +17,25 @@ across ranks (max: all-reduce MAX; histograms: the same grid everywhere, summed
 counts) so every rank ends with the same amax. Switches and train/eval mode are restored in
 ``finally`` whatever happens, and amax is only written once every quantizer
 has data, so an error never leaves a model half-calibrated.
+
+``method="auto"`` is delegated to :mod:`lq.auto_calib` after the histograms are collected. How a batch
+becomes a model call (:func:`model_inputs`, :func:`default_forward`) is defined in :mod:`lq.calib._forward`
+and importable from here; the modules below this one (:mod:`lq.auto_calib`, :mod:`lq.calib`) never import it
+(``tests/test_layering.py``).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import inspect
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from lq import auto_calib
+from lq.calib._forward import default_forward, model_inputs
 from lq.nn.modules.tensor_quantizer import TensorQuantizer, iter_quantizers, name_quantizers
 
 HISTOGRAM_METHODS = ("entropy", "percentile", "mse")
@@ -39,75 +45,6 @@ METHODS = ("max",) + HISTOGRAM_METHODS + ("auto",)
 
 class CalibrationError(RuntimeError):
     """Calibration could not produce amax (no batches, or quantizers that saw no data)."""
-
-
-def _positional(model: nn.Module) -> tuple[int, float, list[str]] | None:
-    """``(required, most, names)`` of ``model.forward``'s positional parameters (``most`` is inf with
-    ``*args``), or None when the signature cannot be read."""
-    try:
-        sig = inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        return None
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    pos = [p for p in sig.parameters.values() if p.kind in kinds]
-    required = sum(p.default is inspect.Parameter.empty for p in pos)
-    star = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in sig.parameters.values())
-    return required, math.inf if star else len(pos), [p.name for p in pos]
-
-
-def _describe(batch: Any) -> str:
-    if isinstance(batch, torch.Tensor):
-        return f"Tensor{list(batch.shape)}"
-    if isinstance(batch, Mapping):
-        return "dict(" + ", ".join(f"{k}={_describe(v)}" for k, v in batch.items()) + ")"
-    if isinstance(batch, (list, tuple)):
-        return f"{type(batch).__name__} of {len(batch)}: (" + ", ".join(_describe(b) for b in batch) + ")"
-    return type(batch).__name__
-
-
-def model_inputs(model: nn.Module, batch: Any) -> tuple[tuple, dict]:
-    """``(args, kwargs)``: how ``model`` is called on one ``batch`` -- the one rule calibration, ``auto``
-    and the export's sample batch share.
-
-    * a mapping is keyword arguments: ``model(**batch)``;
-    * a tuple/list batch, when ``forward`` needs at most one positional input, is ``(inputs, target, ...)``:
-      ``model(batch[0])`` (what most training code passes);
-    * when ``forward`` needs two or more positional inputs: a tuple/list batch whose first element is a
-      mapping, or a tuple that fits them, is ``(inputs, target)``: ``model(**batch[0])`` /
-      ``model(*batch[0])``; else a batch whose length fits ``forward``'s positional parameters (at least
-      the required ones, at most all of them) is those inputs: ``model(*batch)``, e.g.
-      ``(input_ids, attention_mask)``;
-    * anything else is passed as is: ``model(batch)``.
-
-    Raises:
-        TypeError: a tuple/list batch that fits none of these; the message shows what was received and
-            how to say it (a dict batch, or ``forward=``).
-    """
-    if isinstance(batch, Mapping):
-        return (), dict(batch)
-    if not isinstance(batch, (list, tuple)):
-        return (batch,), {}
-    sig = _positional(model)
-    if not batch:
-        return (batch,), {}
-    if sig is None or sig[0] <= 1:
-        return (batch[0],), {}
-    required, most, names = sig
-    head = batch[0]
-    if isinstance(head, Mapping):
-        return (), dict(head)
-    if isinstance(head, (list, tuple)) and required <= len(head) <= most:
-        return tuple(head), {}
-    if required <= len(batch) <= most:
-        return tuple(batch), {}
-    name = type(model).__name__
-    want = f"{required}" if most == required else f"{required} to {most}"
-    raise TypeError(
-        f"cannot tell how to call {name}.forward({', '.join(names)}) on a calibration batch: it takes {want} "
-        f"positional inputs and the batch is a {_describe(batch)}. Pass each batch as a dict of its inputs "
-        f"(model(**batch)), as a tuple of exactly its inputs, or as (inputs, target) with the inputs a tuple "
-        f"or dict; or say how: calibrate_model(..., forward=lambda model, batch: model(batch[0], batch[1])) "
-        f"(QuantCalibrate(forward=...), or a calibration_step(batch) method on a LightningModule)")
 
 
 def sample_inputs(model: nn.Module, batch: Any) -> Any:
@@ -126,21 +63,6 @@ def sample_inputs(model: nn.Module, batch: Any) -> Any:
                             "it a sample_input")
         args = bound.args
     return args[0] if len(args) == 1 else tuple(args)
-
-
-def default_forward(model: nn.Module, batch: Any) -> Any:
-    """Run ``model`` on ``batch`` the way most training code does.
-
-    A LightningModule with a ``calibration_step(batch)`` method decides itself; otherwise
-    ``model(*args, **kwargs)`` with the call :func:`model_inputs` reads from the batch: a mapping is keyword
-    arguments, a tuple/list is ``(inputs, target)`` for a one-input ``forward`` and the inputs themselves
-    when it fits a ``forward`` of several (``(input_ids, attention_mask)``), anything else is passed as is.
-    """
-    step = getattr(model, "calibration_step", None)
-    if callable(step):
-        return step(batch)
-    args, kwargs = model_inputs(model, batch)
-    return model(*args, **kwargs)
 
 
 def is_weight_quantizer(name: str) -> bool:
@@ -428,8 +350,6 @@ def calibrate_model(
     amax = load_amax(quantizers, methods, percentile=percentile, strict=strict)
     result = CalibrationResult(amax)
     if auto:
-        from lq import auto_calib
-
         check = auto_calib.check_batches(batches, seen)
         selection = check[:auto_calib.SELECTION_BATCHES]
         result.auto = auto_calib.choose(model, quantizers, methods, selection, forward, process_group, check=check)

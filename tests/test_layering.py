@@ -41,3 +41,65 @@ def test_the_recurrent_markers_are_the_exporters_ops():
 
     assert _loop_ops.lstm_scan is _rnn_markers.lstm_scan and _loop_ops.loop_state is _rnn_markers.loop_state
     assert _loop_ops.dynamic_lstm is _rnn_markers.dynamic_lstm
+
+
+#: calibration's modules, lowest first: each may import only the ones before it. ``lq.calibration`` runs
+#: ``auto`` (``lq.auto_calib``), whose search and metric ``lq.sensitivity`` also offers, and
+#: ``sensitivity_analysis`` calibrates through ``lq.calibration``: when the search lived in ``lq.sensitivity``
+#: the three imported each other in a circle (inside functions, so nothing failed at import time).
+CALIBRATION_LAYERS = ["lq.calib._forward", "lq.calib._fidelity", "lq.auto_calib", "lq.calibration", "lq.sensitivity"]
+
+
+def _resolved_imports(source: str, module: str) -> list[str]:
+    """Every module (and ``module.name``) that ``source`` imports, relative imports resolved, also inside
+    functions."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = module.split(".")[:-node.level]
+                base = ".".join(parent + ([base] if base else []))
+            out += [base] + [f"{base}.{a.name}" for a in node.names]
+    return out
+
+
+def _wrong_way(sources: dict[str, str], order: list[str]) -> list[str]:
+    """``module: import`` for every import of a module above the importer in ``order``."""
+    rank = {m: i for i, m in enumerate(order)}
+    bad = []
+    for module, source in sources.items():
+        for imp in _resolved_imports(source, module):
+            for other, r in rank.items():
+                if other != module and r > rank[module] and (imp == other or imp.startswith(other + ".")):
+                    bad.append(f"{module}: {imp}")
+    return sorted(set(bad))
+
+
+def test_calibration_auto_and_sensitivity_import_one_way():
+    sources = {m: (LQ.parent / (m.replace(".", "/") + ".py")).read_text() for m in CALIBRATION_LAYERS}
+    bad = _wrong_way(sources, CALIBRATION_LAYERS)
+    assert not bad, f"imports against {' <- '.join(CALIBRATION_LAYERS)}: {bad}"
+    # and the calibrators with their searches (AWQ, block scales) are below all of them
+    upward = []
+    for path in (LQ / "calib").rglob("*.py"):
+        module = ".".join(path.relative_to(LQ.parent).with_suffix("").parts)  # a package is its __init__
+        upward += _wrong_way({module: path.read_text()}, [module] + CALIBRATION_LAYERS[2:])
+    assert not upward, f"lq.calib imports a module above it: {upward}"
+
+
+def test_the_layering_check_sees_an_import_inside_a_function():
+    """The old circle, written the way it was: the check names each wrong-way import."""
+    order = ["lq.calib._fidelity", "lq.auto_calib", "lq.calibration", "lq.sensitivity"]
+    sources = {
+        "lq.auto_calib": "def choose():\n    from lq.sensitivity import fidelity_metric\n",
+        "lq.sensitivity": "def fidelity_metric():\n    from lq.calibration import default_forward\n",
+        "lq.calibration": "def calibrate_model():\n    from lq import auto_calib\n",
+        "lq.calib._fidelity": "from . import _forward\nfrom ..calibration import x\n",
+    }
+    assert _wrong_way(sources, order) == [
+        "lq.auto_calib: lq.sensitivity", "lq.auto_calib: lq.sensitivity.fidelity_metric",
+        "lq.calib._fidelity: lq.calibration", "lq.calib._fidelity: lq.calibration.x",
+    ]

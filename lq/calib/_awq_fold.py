@@ -328,6 +328,6 @@ def fold_awq_scales(model: nn.Module, batch: Any, forward: Callable[[nn.Module, 
     from lq.calib._block_search import block_layers
 
     if forward is None:
-        from lq.calibration import default_forward as forward
+        from lq.calib._forward import default_forward as forward
     names = layers if layers is not None else [n for n, _ in block_layers(model)]
     return fold(model, trace(model, names, batch, forward), batch, forward)

@@ -248,5 +248,5 @@ def search_block_scales(model: nn.Module, method: str, batches: Iterable | None 
         raise ValueError("block_method='awq' needs calibration batches (the activation magnitudes); use 'mse' "
                          "without data")
     if forward is None:
-        from lq.calibration import default_forward as forward
+        from lq.calib._forward import default_forward as forward
     return search_awq(model, batches, forward, num_batches)
