@@ -10,8 +10,9 @@ attention_mask -> mean-pooled, L2-normalized embedding``; batch and sequence len
 * onnxruntime's ``MatMulNBitsQuantizer`` on that file: its default algorithm (round-to-nearest, block 32,
   symmetric) and HQQ; GPTQ and the RTN config where they run offline (else the reason is in the table);
 * lq PTQ: ``int4_block_weight`` (4-bit, blocks of 32 along the input features), calibrated on the Lee background
-  news documents with ``CalibConfig.block_method`` = ``max`` (round-to-nearest), ``mse`` and ``awq``, exported by
-  ``export_onnx`` (MatMulNBits, verified against the fake-quant model);
+  news documents with ``CalibConfig.block_method`` = ``max`` (round-to-nearest), ``mse`` and ``awq``, and AWQ with
+  ``keep_muls=False`` (activation scales only where ``1 / s`` folds into the op before: no Mul before any
+  MatMulNBits), exported by ``export_onnx`` (MatMulNBits, verified against the fake-quant model);
 * lq QAT: ``QuantCallback(quant="int4_block_weight", calib=awq, qat=QATConfig(distill_weight=...))`` fine-tuned
   on those documents (no labels: the loss is the cosine distance to the FP32 embedding, plus the callback's
   distillation term), then exported the same way.
@@ -39,7 +40,9 @@ from bench import _report as R
 from bench import minilm as M
 
 SHAPES = ((1, 1), (1, 16), (1, 128), (8, 128))
-LQ_METHODS = ("max", "mse", "awq")
+#: lq's block methods; "awq-folded": AWQ scaling only where 1 / s folds into the op before (no Mul in the file)
+LQ_METHODS = ("max", "mse", "awq", "awq-folded")
+LQ_NAMES = {"max": "lq PTQ RTN", "mse": "lq PTQ MSE", "awq": "lq PTQ AWQ", "awq-folded": "lq PTQ AWQ, folded only"}
 ORT_ALGOS = ("rtn", "hqq", "gptq")
 BLOCK = 32
 
@@ -68,7 +71,8 @@ def export_lq(emb: torch.nn.Module, sample: dict, path: Path, fast: bool):
 
 
 def lq_ptq(model, calib: list[dict], method: str) -> tuple[torch.nn.Module, list]:
-    """A calibrated copy of ``model`` as a SentenceEmbedding with int4_block_weight and ``block_method``."""
+    """A calibrated copy of ``model`` as a SentenceEmbedding with int4_block_weight and ``block_method``
+    (``"awq-folded"``: AWQ with ``keep_muls=False``)."""
     from lq.calib._block_search import search_block_scales
     from lq.calibration import calibrate_model
     from lq.callbacks.swap import QuantSwap
@@ -76,7 +80,8 @@ def lq_ptq(model, calib: list[dict], method: str) -> tuple[torch.nn.Module, list
     emb = M.SentenceEmbedding(copy.deepcopy(model)).eval()
     QuantSwap("int4_block_weight").swap(emb)
     calibrate_model(emb, [_tuple(b) for b in calib], method="max")
-    return emb, search_block_scales(emb, method, [_tuple(b) for b in calib])
+    return emb, search_block_scales(emb, method.split("-")[0], [_tuple(b) for b in calib],
+                                    keep_muls=method != "awq-folded")
 
 
 class EmbeddingQAT:
@@ -232,8 +237,8 @@ def _run(args, out: Path, cmd: str, t0: float, work: Path) -> int:
         else:
             paths[name] = work / f"ort_{algo}.onnx"
     chosen: dict[str, list] = {}
-    for method in LQ_METHODS if not fast else ("awq",):
-        name = f"lq PTQ {'RTN' if method == 'max' else method.upper()}"
+    for method in LQ_METHODS if not fast else ("awq", "awq-folded"):
+        name = LQ_NAMES[method]
         emb, choices = lq_ptq(model, calib, method)
         res = export_lq(emb, sample, work / f"lq_{method}.onnx", fast)
         paths[name] = Path(res.path)

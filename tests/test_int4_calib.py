@@ -24,9 +24,11 @@ torch.set_flush_denormal(True)
 
 
 def _loud_inputs(n: int, k: int = 128, seed: int = 0) -> torch.Tensor:
-    """Activations whose input channels differ in magnitude by up to ~30x (as in transformers' hidden states)."""
+    """Activations whose input channels differ in magnitude by up to ~30x, and a few outlier channels ~30x louder
+    again (as in transformers' hidden states)."""
     g = torch.Generator().manual_seed(seed)
     gain = torch.exp(torch.randn(k, generator=torch.Generator().manual_seed(99)) * 1.2)
+    gain[torch.arange(5, k, k // 4)] *= 30
     return torch.randn(n, k, generator=g) * gain
 
 
@@ -68,8 +70,12 @@ def test_search_is_never_worse_than_round_to_nearest(method):
         for c in choices:
             assert c.error < c.rtn_error
         assert all(torch.equal(weights[n], layer.weight) for n, layer in block_layers(m))
-    else:
+    else:  # the outlier channels make the activation scaling worth it, and it beats the weight-only search
         assert any(c.alpha > 0 for c in choices)
+        mse = _rtn()
+        search_block_scales(mse, "mse")
+        held = _loud_inputs(256, seed=8)
+        assert _errors(m, held, float_model) < _errors(mse, held, float_model)
     held_out = _loud_inputs(256, seed=7)
     assert _errors(m, held_out, float_model) < _errors(_rtn(), held_out, float_model)
     assert _errors(m, calib[0], float_model) < rtn_out

@@ -265,6 +265,28 @@ def _scaled_by(after: torch.Tensor, before: torch.Tensor, inv: torch.Tensor, rto
     return torch.allclose(after, want, rtol=rtol, atol=rtol * float(want.abs().max()))
 
 
+def _target(mods: dict[str, nn.Module], flow: Flow, group: list[str], channels: int) -> tuple[str, str] | None:
+    """``("norm" | "rows", module name)``: where the ``1 / s`` of ``group`` (``channels`` input channels, one
+    shared scale) would go, or None where no exact fold exists."""
+    norm = flow.norm_of.get(group[0])
+    src = flow.source_of.get(group[0]) if len(group) == 1 else None
+    if (norm is not None and getattr(mods[norm], "weight", None) is not None
+            and tuple(mods[norm].weight.shape) == (channels,) and not _quantized(mods[norm])):
+        return "norm", norm
+    if src is not None and _rows_scalable(mods[src]) and mods[src].weight.shape[0] == channels:
+        return "rows", src
+    return None
+
+
+def foldable(model: nn.Module, flow: Flow) -> set[str]:
+    """The first Linear of every group in ``flow`` whose shared ``1 / s`` has an exact place in the op before (a
+    norm only they read, or another Linear's output rows that it alone takes): scaling it costs no Mul."""
+    mods = dict(model.named_modules())
+    found = {g[0]: _target(mods, flow, g, _linear_weight(mods[g[0]]).shape[1]) for g in flow.groups}
+    targets = [t[1] for t in found.values() if t is not None]
+    return {first for first, t in found.items() if t is not None and targets.count(t[1]) == 1}
+
+
 def fold(model: nn.Module, flow: Flow, batch: Any, forward: Callable[[nn.Module, Any], Any]) -> dict[str, str]:
     """Move the ``pre_quant_scale`` of the Linears in ``flow`` into the op before them where exact (module
     docstring); returns ``{layer: where its 1 / s went}`` for the folded ones."""
@@ -279,13 +301,9 @@ def fold(model: nn.Module, flow: Flow, batch: Any, forward: Callable[[nn.Module,
         inv = scale(group[0])
         if inv is None or any(scale(n) is None or not torch.equal(scale(n), inv) for n in group[1:]):
             continue
-        norm = flow.norm_of.get(group[0])
-        src = flow.source_of.get(group[0]) if len(group) == 1 else None
-        if (norm is not None and getattr(mods[norm], "weight", None) is not None
-                and mods[norm].weight.shape == inv.shape and not _quantized(mods[norm])):
-            plans.append((group, "norm", norm, inv.detach().clone()))
-        elif src is not None and _rows_scalable(mods[src]) and mods[src].weight.shape[0] == inv.numel():
-            plans.append((group, "rows", src, inv.detach().clone()))
+        where = _target(mods, flow, group, inv.numel())
+        if where is not None:
+            plans.append((group, *where, inv.detach().clone()))
     if not plans:
         return {}
     targets = [p[2] for p in plans]

@@ -10,12 +10,16 @@ quantizer's ``pre_quant_scale``), so the exported file computes exactly what the
 * ``"awq"`` (activation-aware, after Lin et al. 2023): input channels that see large activations matter more. Per
   Linear, ``s = mag^alpha`` (``mag``: the mean ``|x|`` of each input channel over the calibration data), the
   weight becomes ``W * s`` (its columns scaled up before quantization) and the input ``x * (1 / s)``
-  (``TensorQuantizer.pre_quant_scale``: one per-channel Mul before the MatMul in the file); ``alpha`` on a grid in
-  [0, 1] is chosen per layer on the layer's output error over the calibration rows, with the MSE block search on
-  the scaled weight. Linears that read one tensor (Q/K/V) share one ``s``, chosen on their outputs together.
-  Round-to-nearest (``alpha = 0``, max) is one of the candidates, so the output error on those rows is never
-  larger. Then :mod:`lq.calib._awq_fold` moves ``1 / s`` into the op before where that is exact (a LayerNorm only
-  those Linears read; V's output rows for attention's output projection): no Mul there in the file.
+  (``TensorQuantizer.pre_quant_scale``: one per-channel Mul before the MatMul in the file). ``alpha`` (a grid in
+  [0, 1]) and the block amax are chosen together per layer on the layer's output error over all calibration
+  tokens, ``trace(dW H dW^T)`` with ``H = E[x x^T]`` the input's second moments and ``dW`` the error of the
+  effective weight ``Q(W * s) / s``. For every ``alpha`` two amax candidates: the block max, and per block the
+  fraction of the max (the MSE grid) with the smallest error of that block's outputs (``H``'s diagonal block:
+  the clipping that costs the outputs least, not the weights). Linears that read one tensor (Q/K/V) share one
+  ``s``, chosen on their outputs together. Round-to-nearest (``alpha = 0``, max) is one of the candidates, so
+  the output error on the calibration data is never larger. Then :mod:`lq.calib._awq_fold` moves ``1 / s`` into
+  the op before where that is exact (a LayerNorm only those Linears read; V's output rows for attention's
+  output projection): no Mul there in the file.
 
 Only weight-only block quantizers (blocks along a Linear's input features, input quantizer disabled) take the
 activation scaling: with an enabled input quantizer the scaled activations would quantize differently.
@@ -35,9 +39,7 @@ from lq.config import BLOCK_METHODS
 #: the smallest fraction of a block's max the MSE search tries, and how many fractions up to 1
 MIN_SHRINK, SHRINK_STEPS = 0.5, 21
 #: AWQ's exponents alpha (0 = no scaling)
-ALPHAS = tuple(i / 10 for i in range(11))
-#: calibration rows (tokens) per layer that AWQ's output error is measured on (spread over the batches)
-MAX_ROWS, ROWS_PER_BATCH = 512, 128
+ALPHAS = tuple(i / 20 for i in range(21))
 
 
 @dataclasses.dataclass
@@ -51,6 +53,7 @@ class BlockChoice:
     error: float = 0.0  # the same error after the search
     group: list[str] = dataclasses.field(default_factory=list)  # awq: the Linears reading its input (one scale)
     folded: str = ""  # awq: the op that took 1 / s ("": a Mul before the Linear)
+    unscaled_error: float = 0.0  # awq: the best output error without activation scaling (alpha = 0)
 
 
 def block_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -116,31 +119,34 @@ def search_mse(model: nn.Module, layers: list[tuple[str, nn.Module]] | None = No
 
 
 class _Rows:
-    """Per-channel mean |x| and up to ``MAX_ROWS`` rows of a Linear's input, from a forward pre-hook."""
+    """Per-channel mean |x| and the second moments ``sum x x^T`` of a Linear's input over every calibration token,
+    from a forward pre-hook."""
 
     def __init__(self, k: int):
         self.abs_sum = torch.zeros(k, dtype=torch.float64)
+        self.xtx = torch.zeros(k, k, dtype=torch.float64)
         self.count = 0
-        self.rows: list[torch.Tensor] = []
-        self.kept = 0
 
     def __call__(self, module, args):
         x = args[0].detach().float().reshape(-1, args[0].shape[-1]).cpu()
         self.abs_sum += x.abs().sum(0, dtype=torch.float64)
+        self.xtx += (x.T @ x).double()  # float32 per batch, float64 across batches
         self.count += x.shape[0]
-        if self.kept < MAX_ROWS:  # rows spread over each batch, and over the first batches
-            take = x[:: max(1, x.shape[0] // ROWS_PER_BATCH)][: min(ROWS_PER_BATCH, MAX_ROWS - self.kept)]
-            self.rows.append(take.clone())
-            self.kept += take.shape[0]
+
+    def second_moments(self) -> torch.Tensor:
+        """``H = E[x x^T]`` (float32): the output error of a weight error ``dW`` is ``trace(dW H dW^T)``."""
+        return (self.xtx / max(self.count, 1)).float()
 
 
 def search_awq(model: nn.Module, batches: Iterable, forward: Callable[[nn.Module, Any], Any],
-               num_batches: int | None = None, fold: bool = True) -> list[BlockChoice]:
+               num_batches: int | None = None, fold: bool = True, keep_muls: bool = True) -> list[BlockChoice]:
     """AWQ: per weight-only block-quantized Linear, the activation scale ``s = mag^alpha`` and block amax with the
     smallest output error on the calibration rows (round-to-nearest among the candidates); sets the weight, the
     input quantizer's ``pre_quant_scale`` (``1 / s``) and the amax. Linears reading one tensor (Q/K/V) share one
     ``s``, searched on their outputs together. Then (``fold``) ``1 / s`` goes into the op before where exact
-    (:mod:`lq.calib._awq_fold`). Other block layers get the MSE search."""
+    (:mod:`lq.calib._awq_fold`). Other block layers get the MSE search. ``keep_muls=False``: Linears whose ``1 / s``
+    folds nowhere (after a GELU, or a LayerNorm whose output is also the residual) are not scaled (``alpha = 0``,
+    the output-aware clipping alone): the file runs no Mul before any MatMulNBits."""
     from lq.calib import _awq_fold
 
     layers = block_layers(model)
@@ -172,12 +178,14 @@ def search_awq(model: nn.Module, batches: Iterable, forward: Callable[[nn.Module
             h.remove()
         model.train(was)
     mods = dict(awq)
+    scalable = None if keep_muls else _awq_fold.foldable(model, flow)
     for group in flow.groups:
         for name in group:
             if not stats[name].count:
                 raise RuntimeError(f"AWQ: layer '{name}' saw no calibration data; run the batches through it, or "
                                    "use block_method='mse' (no data needed)")
-        out += _awq_group(group, [mods[n] for n in group], stats[group[0]])
+        alphas = ALPHAS if scalable is None or group[0] in scalable else (0.0,)
+        out += _awq_group(group, [mods[n] for n in group], stats[group[0]], alphas)
     if fold:
         where = _awq_fold.fold(model, flow, first, forward)
         for c in out:
@@ -185,59 +193,77 @@ def search_awq(model: nn.Module, batches: Iterable, forward: Callable[[nn.Module
     return out
 
 
-def _awq_group(names: list[str], ms: list[nn.Module], st: _Rows) -> list[BlockChoice]:
+def _awq_group(names: list[str], ms: list[nn.Module], st: _Rows, alphas=ALPHAS) -> list[BlockChoice]:
     """AWQ for Linears reading one input: one ``s`` for all (their weights side by side, as one Linear: blocks run
     along the input features, so each row quantizes alone)."""
     tq, block = ms[0]._weight_quantizer, _block_size(ms[0])
     rows = [m.weight.shape[0] for m in ms]
     w = torch.cat([m.weight.detach().float() for m in ms])
     n, k = w.shape
-    x = torch.cat(st.rows).to(w.device)
-    ref = x @ w.T
+    kb = k // block
+    h = st.second_moments().to(w.device)
+    h_blocks = torch.stack([h[i * block:(i + 1) * block, i * block:(i + 1) * block] for i in range(kb)])
     mag = (st.abs_sum / st.count).float().to(w.device)
     mag = mag.clamp_min(float(mag.max()) * 1e-4 + 1e-12)
 
-    def output_error(ws: torch.Tensor, inv: torch.Tensor | None, amax: torch.Tensor) -> float:
-        wq = _fake_quant(ws.reshape(n, k // block, block), amax, tq).reshape(n, k)
-        xs = x if inv is None else x * inv
-        return float(((xs @ wq.T - ref) ** 2).mean())
+    def quantized(ws: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        return _fake_quant(ws.reshape(n, kb, block), amax, tq).reshape(n, k)
 
-    def block_max(ws: torch.Tensor) -> torch.Tensor:
-        return ws.reshape(n, k // block, block).abs().amax(-1)
+    def output_error(ws: torch.Tensor, s: torch.Tensor, amax: torch.Tensor) -> float:
+        """Mean squared output error per output feature: ``x (Q(W s) / s)^T`` against ``x W^T``."""
+        d = quantized(ws, amax) / s - w
+        return float(((d @ h) * d).sum()) / n
 
-    rtn = output_error(w, None, block_max(w))
-    best = (rtn, 0.0, None, w, block_max(w))
-    for alpha in ALPHAS[1:]:  # alpha on round-to-nearest blocks (cheap), then the MSE blocks for the best one
-        s = mag**alpha
+    def output_clipped_amax(ws: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """Per block, the fraction of its max (the MSE grid) whose error costs that block's outputs least."""
+        wb = ws.reshape(n, kb, block)
+        inv = (1.0 / s).reshape(kb, block)
+        top = wb.abs().amax(-1)
+        best_amax = best_err = None
+        for shrink in torch.linspace(MIN_SHRINK, 1.0, SHRINK_STEPS).tolist():
+            a = top * shrink
+            d = (_fake_quant(wb, a, tq) - wb) * inv
+            err = torch.einsum("nkb,kbc,nkc->nk", d, h_blocks, d)
+            if best_err is None:
+                best_amax, best_err = a, err
+            else:
+                better = err < best_err
+                best_amax, best_err = torch.where(better, a, best_amax), torch.where(better, err, best_err)
+        return best_amax
+
+    one = torch.ones(k, device=w.device)
+    rtn = output_error(w, one, w.reshape(n, kb, block).abs().amax(-1))
+    best = (rtn, 0.0, one, w, w.reshape(n, kb, block).abs().amax(-1))
+    unscaled = rtn
+    for alpha in alphas:
+        s = one if alpha == 0 else mag**alpha
         s = s / (s.max() * s.min()).sqrt()
-        inv = (1.0 / s).float()
         ws = w * s
-        err = output_error(ws, inv, block_max(ws))
-        if err < best[0]:
-            best = (err, alpha, inv, ws, block_max(ws))
-    _, alpha, inv, ws, _ = best
-    amax, _ = mse_block_amax(ws, block, tq)
-    err = output_error(ws, inv, amax)
-    if err < best[0]:
-        best = (err, alpha, inv, ws, amax)
-    err, alpha, inv, ws, amax = best
+        for amax in (ws.reshape(n, kb, block).abs().amax(-1), output_clipped_amax(ws, s)):
+            err = output_error(ws, s, amax)
+            if alpha == 0:
+                unscaled = min(unscaled, err)
+            if err < best[0]:
+                best = (err, alpha, s, ws, amax)
+    err, alpha, s, ws, amax = best
     out = []
     for name, m, ws_m, amax_m in zip(names, ms, ws.split(rows), amax.split(rows)):
         with torch.no_grad():
             m.weight.copy_(ws_m.to(m.weight.dtype))
-        if inv is not None:
-            m._input_quantizer.pre_quant_scale = inv
+        if alpha > 0:
+            m._input_quantizer.pre_quant_scale = (1.0 / s).float()
         _set_amax(m, amax_m)
-        top = ws_m.reshape(ws_m.shape[0], k // block, block).abs().amax(-1).clamp_min(1e-30)
-        out.append(BlockChoice(name, float((amax_m / top).mean()), alpha, rtn, err, names))
+        top = ws_m.reshape(ws_m.shape[0], kb, block).abs().amax(-1).clamp_min(1e-30)
+        out.append(BlockChoice(name, float((amax_m / top).mean()), alpha, rtn, err, names, unscaled_error=unscaled))
     return out
 
 
 def search_block_scales(model: nn.Module, method: str, batches: Iterable | None = None,
                         forward: Callable[[nn.Module, Any], Any] | None = None,
-                        num_batches: int | None = None) -> list[BlockChoice]:
+                        num_batches: int | None = None, keep_muls: bool = True) -> list[BlockChoice]:
     """Calibrate ``model``'s block-quantized Linear weights with ``method`` (see the module docstring): ``max``
-    leaves the calibrated block max, ``mse`` needs no data, ``awq`` runs ``batches`` through the model."""
+    leaves the calibrated block max, ``mse`` needs no data, ``awq`` runs ``batches`` through the model
+    (``keep_muls``: see :func:`search_awq`)."""
     if method not in BLOCK_METHODS:
         raise ValueError(f"block_method={method!r} is not allowed: choose one of {list(BLOCK_METHODS)}")
     if method == "max":
@@ -249,4 +275,4 @@ def search_block_scales(model: nn.Module, method: str, batches: Iterable | None 
                          "without data")
     if forward is None:
         from lq.calib._forward import default_forward as forward
-    return search_awq(model, batches, forward, num_batches)
+    return search_awq(model, batches, forward, num_batches, keep_muls=keep_muls)
