@@ -2,7 +2,7 @@
 
     python -m bench.conv_kernels [--fast] [--out DIR]
 
-The measurement behind ``lq.export._rules.ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP``: for depthwise convs
+The measurement behind ``lq.rules.onnxruntime.ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP``: for depthwise convs
 (3x3 and 7x7) and dense convs with 1 to 32 input channels, one quantized conv (lq's
 ``int8_reduce_range`` recipe, exported by ``lq.export.export_onnx`` with a quantizer after it, so
 onnxruntime fuses it into QLinearConv) against the same conv in FP32 (``torch.onnx``), batch 32, one

@@ -96,7 +96,7 @@ def _nodes(path: str) -> int:
 @contextlib.contextmanager
 def _unrolled():
     """lq's export with the loop switched off: the previous path, for comparison."""
-    from lq.export.prepare import _loop_ops
+    from lq.export.trace import _loop_ops
 
     saved = _loop_ops.loop_mode
     _loop_ops.loop_mode = lambda model: contextlib.nullcontext([])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping
 from typing import Any, Dict, List, Optional
 
 from lq.tensor_quant import QuantDescriptor
@@ -29,6 +30,9 @@ BLOCK_METHODS = ("max", "mse", "awq")
 LR_POLICIES = ("none", "cosine")
 EXPORTERS = ("dynamo", "legacy")
 EXPORT_TARGETS = ("onnxruntime", "tensorrt")
+WEIGHT_FORMATS = ("int8", "qdq")
+#: files an export path must not overwrite: what a user trained
+CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
 RECURRENT_MODES = ("scan", "dynamic")
 
 
@@ -417,25 +421,39 @@ class QATConfig:
 
 @dataclass
 class ExportConfig:
-    """ONNX export at the end of fit.
+    """ONNX export: the one set of options of :func:`lq.export.export_onnx` and of the export at the end of fit.
+
+    ``export_onnx(model, sample, path, config)`` takes it; ``export_onnx(model, sample, path, opset=17)`` sets
+    single fields (``dynamo=False`` is ``exporter="legacy"``, ``atol`` is ``tolerance``).
 
     Attributes:
-        enabled: export at ``on_fit_end`` (rank zero).
-        path: output file; relative paths go under the trainer's ``default_root_dir``.
+        enabled: export at ``on_fit_end`` (rank zero; the callback's switch, ignored by ``export_onnx``).
+        path: output file, ending in ``.onnx``; in the callback a relative path goes under the trainer's
+            ``default_root_dir``.
         opset: ONNX opset, 13..23 (>= 19 for FP8, >= 21 for blocks); None: the one the exporter writes (18 for
             ``dynamo``, 17 for ``legacy``), raised to what the quantizers need.
         exporter: ``dynamo`` (the current torch.onnx exporter) or ``legacy`` (TorchScript based).
         fold_bn: fold BatchNorm into the preceding conv/linear in the exported copy.
-        verify: run the exported model in onnxruntime on a sample batch and compare with PyTorch.
+        check: run ``onnx.checker.check_model`` on the file.
+        verify: run the exported model in onnxruntime on the sample and compare with PyTorch.
         tolerance: largest allowed max-abs difference between onnxruntime and PyTorch outputs (None: judged in
             output quantization steps and top-1 agreement, see ``export_onnx``).
+        rtol: with ``tolerance``, also allow ``rtol * max|output|``.
         target: ``onnxruntime`` (uint8 activations, 8-bit weights: what its QLinear kernels fuse, encoded so
             no CPU's int16 intermediates saturate) or ``tensorrt`` (int8 zero-point-0 Q/DQ everywhere, as
             TensorRT expects).
+        weight_format: ``int8`` (int8 initializers + DequantizeLinear; onnxruntime's default) or ``qdq`` (float
+            weights + QuantizeLinear + DequantizeLinear; TensorRT's default); None: the target's default.
+        input_names, output_names: graph input/output names (None: ``input``/``output``, numbered when several).
+        dynamic_batch: make dim 0 of inputs and outputs dynamic.
         dynamic_spatial: make the inputs' spatial dims (H, W) dynamic as well as the batch, for fully
             convolutional models run on several sizes (image pyramids); verified on a second size.
         dynamic_dims: more dynamic axes of every input that has them (axes >= 1), e.g. ``[1]`` for the time
             axis of batch-first sequences (recurrent models export as loops); verified on a longer input.
+        providers: onnxruntime execution providers for verification (None: CPU, or CUDA for a model on a GPU).
+        check_fusion: build onnxruntime's optimized graph and report the kernels each layer runs.
+        keep_metadata: keep the exporter's per-node metadata (PyTorch stack traces, module names).
+        speed_check: time the file against the plain FP32 export of the same model (onnxruntime, verified).
         speed_batch: the batch size at which the export's speed check times the INT8 file against the plain FP32
             export of the same model (None: the sample batch's size).
     """
@@ -445,11 +463,21 @@ class ExportConfig:
     opset: Optional[int] = None
     exporter: str = "dynamo"
     fold_bn: bool = True
+    check: bool = True
     verify: bool = True
     tolerance: Optional[float] = None
+    rtol: float = 0.0
     target: str = "onnxruntime"
+    weight_format: Optional[str] = None
+    input_names: Optional[List[str]] = None
+    output_names: Optional[List[str]] = None
+    dynamic_batch: bool = True
     dynamic_spatial: bool = False
-    dynamic_dims: List[int] = field(default_factory=list)
+    dynamic_dims: List[Any] = field(default_factory=list)
+    providers: Optional[List[str]] = None
+    check_fusion: bool = True
+    keep_metadata: bool = False
+    speed_check: bool = True
     speed_batch: Optional[int] = None
 
     def __post_init__(self):
@@ -458,20 +486,52 @@ class ExportConfig:
                                              or self.speed_batch < 1):
             raise ValueError(f"{owner}.speed_batch={self.speed_batch!r} is not allowed: expected an int >= 1 or None "
                              "(the sample's batch)")
-        if isinstance(self.dynamic_dims, str) or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in self.dynamic_dims):
+        if isinstance(self.dynamic_dims, (str, bytes)) or not all(
+                (isinstance(d, int) and not isinstance(d, bool) and d >= 1) or _axis_names(d)
+                for d in self.dynamic_dims):
             raise ValueError(f"{owner}.dynamic_dims={self.dynamic_dims!r} is not allowed: expected a list of axes >= 1 "
-                             "(dim 0 is the batch, dynamic already)")
-        self.dynamic_dims = list(self.dynamic_dims)
+                             "(dim 0 is the batch, dynamic already), or one {axis: name} mapping per tensor input")
+        if not isinstance(self.dynamic_dims, Mapping):  # a lone mapping is refused by the export, which knows the inputs
+            self.dynamic_dims = list(self.dynamic_dims)
         _choice(owner, "exporter", self.exporter, EXPORTERS)
         _choice(owner, "target", self.target, EXPORT_TARGETS)
+        if self.weight_format is not None:
+            _choice(owner, "weight_format", self.weight_format, WEIGHT_FORMATS)
         if self.opset is not None and (isinstance(self.opset, bool) or not isinstance(self.opset, int)
                                        or not 13 <= self.opset <= 23):
             raise ValueError(f"{owner}.opset={self.opset!r} is not allowed: expected None (the exporter's own) or an "
                              "int in [13, 23]")
-        _positive(owner, "tolerance", self.tolerance, allow_none=True)
+        _positive(owner, "tolerance", self.tolerance, allow_none=True, strict=False)
+        _positive(owner, "rtol", self.rtol, strict=False)
+        for name in ("input_names", "output_names", "providers"):
+            v = getattr(self, name)
+            if v is not None:
+                if isinstance(v, str) or not all(isinstance(s, str) for s in v):
+                    raise ValueError(f"{owner}.{name}={v!r} is not allowed: expected a list of strings or None")
+                setattr(self, name, list(v))
         if not isinstance(self.path, str) or not self.path.endswith(".onnx"):
+            if isinstance(self.path, str) and self.path.endswith(CHECKPOINT_SUFFIXES):
+                raise ValueError(f"{owner}.path={self.path!r} looks like a checkpoint/weights file; refusing to "
+                                 "overwrite it: give a path ending in .onnx")
             raise ValueError(f"{owner}.path={self.path!r} is not allowed: expected a file name ending in .onnx")
+
+    @property
+    def dynamo(self) -> bool:
+        """Whether the current torch.onnx exporter writes the file (``exporter == "dynamo"``)."""
+        return self.exporter == "dynamo"
+
+    def resolved_weight_format(self) -> str:
+        """``weight_format``, or the target's default (int8 initializers for onnxruntime, Q/DQ for TensorRT)."""
+        return self.weight_format or ("int8" if self.target == "onnxruntime" else "qdq")
+
+
+def _axis_names(d) -> bool:
+    """``{axis: name}`` with axes >= 0 and string names (one mapping per tensor input of ``dynamic_dims``)."""
+    try:
+        return all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 and isinstance(v, str)
+                   for k, v in dict(d).items())
+    except (TypeError, ValueError):
+        return False
 
 
 def _coerce(value, cls, where: str):

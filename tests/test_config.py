@@ -209,4 +209,4 @@ def test_export_dynamic_dims_validated_and_passed_to_the_export(monkeypatch, tmp
     trainer = L.Trainer(logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
     with pytest.raises(Exception, match="stop here"):
         cb.run(trainer, SmallCNN())
-    assert seen["dynamic_dims"] == (2, 3)
+    assert seen["config"].dynamic_dims == [2, 3]

@@ -521,7 +521,7 @@ def test_only_nearest_resize_lets_a_quantizer_move_across_it():
     """Nearest upsampling picks existing values (a grid maps onto itself); linear interpolation does not."""
     from onnx import helper
 
-    from lq.export._rules import commutes
+    from lq.rules import commutes
 
     assert commutes("Resize", helper.make_node("Resize", ["x", "", "s"], ["y"], mode="nearest"))
     assert commutes("Resize", helper.make_node("Resize", ["x", "", "s"], ["y"]))  # the default mode
@@ -591,7 +591,7 @@ def test_an_asked_opset_that_cannot_be_reached_is_said(tmp_path):
 
 def test_the_default_opset_covers_what_the_quantizers_need():
     from lq.export.prepare._model_checks import model_min_opset
-    from lq.export.trace._torch_onnx import choose_opset
+    from lq.export.prepare._inputs import choose_opset
     from lq.tensor_quant import QuantDescriptor
 
     fp8 = nn.Sequential(qnn.QuantLinear(8, 8, quant_desc_input=QuantDescriptor(num_bits=(4, 3))))

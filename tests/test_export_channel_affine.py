@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from lq.export.passes._channel_affine import affines_as_batchnorm
-from lq.export.finish._finish import value_shapes
+from lq.export._ir import value_shapes
 
 from _export_checks import LEVELS, assert_file_matches_pytorch, quantize_calibrate_export, rewritten, run_graph
 

@@ -319,7 +319,7 @@ def test_packed_input_is_refused_in_loop_mode_with_one_line():
 
 
 def test_the_placeholder_op_does_not_run_eagerly():
-    from lq.export.prepare import _loop_ops  # noqa: F401  (defines torch.ops.lq_export)
+    from lq.export.trace import _loop_ops  # noqa: F401  (defines torch.ops.lq_export)
 
     t = torch.zeros(2, 3, 4)
     with pytest.raises(RuntimeError, match="does not run"):

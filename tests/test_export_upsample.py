@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from lq.export.finish._finish import value_shapes
-from lq.export._rules import ORT_NHWC_UPSAMPLE_MIN_CHANNELS
+from lq.export._ir import value_shapes
+from lq.rules.onnxruntime import ORT_NHWC_UPSAMPLE_MIN_CHANNELS
 from lq.export.passes._upsample import nearest_upsamples_as_expand
 
 from _export_checks import LEVELS, assert_file_matches_pytorch, quantize_calibrate_export, rewritten, run_graph

@@ -1,6 +1,6 @@
 """Dependencies point one way: the numerics and the modules never import the exporter.
 
-``lq.nn`` (a QuantLSTM) imported ``lq.export.prepare._loop_ops`` for the markers it traces in the export, so building a
+``lq.nn`` (a QuantLSTM) imported ``lq.export.trace._loop_ops`` for the markers it traces in the export, so building a
 quantized model pulled in onnx and the exporter, and the exporter could not be changed without the modules.
 Checked on the source (every import statement, also those inside functions), so an import that only runs
 on some path is caught too."""
@@ -11,8 +11,10 @@ import ast
 from pathlib import Path
 
 LQ = Path(__file__).resolve().parents[1] / "lq"
-#: the layers below the exporter: quantization numerics, calibrators, modules
-BELOW_EXPORT = ["nn", "calib", "tensor_quant.py", "_ops.py", "_reference.py", "_ext.py", "quant_modules.py"]
+#: the layers below the exporter: quantization numerics, calibrators, modules, the glue that places quantizers
+#: in the model, and the per-runtime rules both the glue and the exporter read
+BELOW_EXPORT = ["nn", "calib", "glue", "rules", "tensor_quant.py", "_ops.py", "_reference.py", "_ext.py",
+                "quant_modules.py"]
 
 
 def _imports(path: Path) -> list[str]:
@@ -36,7 +38,7 @@ def test_modules_and_numerics_never_import_the_exporter():
 
 def test_the_recurrent_markers_are_the_exporters_ops():
     """One definition of the markers: the exporter writes exactly the ops the module traces."""
-    from lq.export.prepare import _loop_ops
+    from lq.export.trace import _loop_ops
     from lq.nn.modules import _rnn_markers
 
     assert _loop_ops.lstm_scan is _rnn_markers.lstm_scan and _loop_ops.loop_state is _rnn_markers.loop_state
@@ -103,3 +105,19 @@ def test_the_layering_check_sees_an_import_inside_a_function():
         "lq.auto_calib: lq.sensitivity", "lq.auto_calib: lq.sensitivity.fidelity_metric",
         "lq.calib._fidelity: lq.calibration", "lq.calib._fidelity: lq.calibration.x",
     ]
+
+
+#: the export's stages in pipeline order: a stage imports only stages before it (and the shared
+#: lq/export/_ir.py, _files.py); lq/export/_export.py, the pipeline itself, imports them all
+STAGES = ["prepare", "trace", "passes", "finish", "verify", "timing", "report"]
+
+
+def test_export_stages_import_only_earlier_stages():
+    bad = []
+    for i, stage in enumerate(STAGES):
+        later = STAGES[i + 1:]
+        for p in (LQ / "export" / stage).rglob("*.py"):
+            bad += [f"{p.relative_to(LQ.parent)}: {m}" for m in _imports(p)
+                    if any(m == f"lq.export.{s}" or m.startswith(f"lq.export.{s}.") for s in later)]
+    assert not bad, bad
+    assert sorted(d.name for d in (LQ / "export").iterdir() if d.is_dir() and d.name != "__pycache__") == sorted(STAGES)

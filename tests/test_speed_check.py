@@ -327,7 +327,7 @@ def test_export_config_takes_speed_batch_and_the_callback_passes_it(monkeypatch,
                      sample_input=lambda t, m: torch.ones(2, 3))
     with pytest.warns(UserWarning, match="0.87x the speed of the plain FP32 export"), caplog.at_level(logging.INFO):
         cb.run(SimpleNamespace(default_root_dir=str(tmp_path)), model)
-    assert seen["speed_batch"] == 32
+    assert seen["config"].speed_batch == 32
     assert any("0.87x the speed of the plain FP32 export of this model" in r.getMessage() and "batch 32" in
                r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 

@@ -95,11 +95,7 @@ class QuantExport(L.Callback):
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             sample = self._sample(trainer, pl_module)
             sample = sample.to(pl_module.device) if isinstance(sample, torch.Tensor) else sample
-            result = export_onnx(
-                pl_module, sample, path, opset=e.opset, dynamo=e.exporter == "dynamo", fold_bn=e.fold_bn,
-                verify=e.verify, tolerance=e.tolerance, target=e.target, dynamic_spatial=e.dynamic_spatial,
-                dynamic_dims=tuple(e.dynamic_dims), speed_batch=e.speed_batch,
-            )
+            result = export_onnx(pl_module, sample, path, config=e)
         except Exception as err:
             where = f" The trained weights are safe in {ckpt}." if ckpt else ""
             raise ExportFailed(f"ONNX export to {path} failed: {str(err).rstrip('. ')}.{where}") from err

@@ -10,6 +10,7 @@ onnxruntime's output with PyTorch's on the sample. See :func:`export_onnx`.
 """
 
 from lq.export._export import (
+    export_config,
     EXPORTERS,
     TARGETS,
     WEIGHT_FORMATS,
@@ -25,6 +26,7 @@ from lq.export.verify._verify import INT8_KERNELS, optimized_op_counts
 
 __all__ = [
     "export_onnx",
+    "export_config",
     "ExportResult",
     "ExportError",
     "VerificationError",

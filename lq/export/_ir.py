@@ -23,6 +23,11 @@ class ExportError(RuntimeError):
     that hold trained weights."""
 
 
+class VerificationError(ExportError):
+    """onnxruntime's output is not PyTorch's fake-quant output: too many elements more than a few output steps
+    off, top-1 classes that differ beyond a tie, or (when the user set one) more than the tolerance."""
+
+
 @dataclasses.dataclass
 class QuantNodeInfo:
     """One quantized tensor of the exported graph."""
@@ -285,3 +290,16 @@ def _dedupe_scopes(scopes):
             out.append(s)
     return out
 
+
+def value_shapes(model: onnx.ModelProto) -> dict[str, tuple]:
+    """Shape of every value shape inference can tell: a tuple of ints, None where a dimension is symbolic."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:
+        inferred = model
+    out = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            out[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
+    return out

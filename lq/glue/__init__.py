@@ -64,6 +64,8 @@ class GluePlan:
         that quantizer quantizes per tensor and is enabled."""
         for s in self.sites:
             for i, path in list(s.tied.items()):
+                if path.startswith(CHILD + "."):
+                    continue  # tied to another site's quantizer of this forward (a pool's): made below
                 q = getattr(swapped(self.module.get_submodule(path.rsplit(".", 1)[0])), INPUT_QUANTIZER, None)
                 if not (isinstance(q, TensorQuantizer) and q.axis is None and q.is_enabled):
                     del s.tied[i]
@@ -77,7 +79,8 @@ class GluePlan:
     def site_quantizers(self, site: Site) -> list:
         """Every quantizer a site applies: its own, then the layers' input quantizers it is tied to."""
         return [self.quantizers[q] for q in site.quantizer_names()] + [
-            self.module.get_submodule(p) for p in site.tied.values()]
+            self.quantizers[p[len(CHILD) + 1:]] if p.startswith(CHILD + ".") else self.module.get_submodule(p)
+            for p in site.tied.values()]
 
     def label(self, site: Site) -> str:
         return _LABELS[site.rule.kind]

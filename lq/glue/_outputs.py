@@ -14,7 +14,7 @@ import dataclasses
 import torch.fx as fx
 from torch import nn
 
-from lq.export._rules import ort_prefers_float_conv
+from lq.rules.onnxruntime import ort_prefers_float_conv
 from lq.glue._rules import (FLOAT_READER_FUNCTIONS, FLOAT_READER_METHODS, FLOAT_READER_MODULES, FOLDED_NORMS,
                             OUTPUT_LAYERS, RELU_MODULES)
 
@@ -133,7 +133,7 @@ def sites_in_sequential(seq: nn.Sequential, prefix: str, wants, quantized=_never
 
 def wants_output_quantizer(layer: nn.Module, will_be_quantized) -> bool:
     """A quantized conv whose integer kernel onnxruntime would run; not a depthwise conv or a 1-3 channel stem,
-    which it runs faster in float (:func:`lq.export._rules.ort_prefers_float_conv`): an output quantizer would
+    which it runs faster in float (:func:`lq.rules.onnxruntime.ort_prefers_float_conv`): an output quantizer would
     only add a Q/DQ pair there."""
     return (isinstance(layer, OUTPUT_LAYERS) and will_be_quantized(layer)
             and not ort_prefers_float_conv(layer.in_channels // layer.groups)

@@ -12,10 +12,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from lq.glue._rules import CHILD
 from lq.glue._sites import Site
 from lq.nn.modules.tensor_quantizer import TensorQuantizer
-
-CHILD = "lq_glue"
 
 
 class GlueQuantizer(TensorQuantizer):

@@ -57,6 +57,8 @@ POOL = GlueRule("pool", shared=True)
 
 #: the attribute of a quantized layer (conv, linear, pool) that quantizes its input
 INPUT_QUANTIZER = "_input_quantizer"
+#: the child of a rewritten module that holds its glue quantizers
+CHILD = "lq_glue"
 
 #: layers whose input quantizer an add operand shares when the layer reads the same tensor (they quantize their
 #: input per tensor with ``_input_quantizer``)

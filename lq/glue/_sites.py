@@ -6,8 +6,8 @@ import dataclasses
 
 import torch.fx as fx
 
-from lq.glue._rules import (FLOAT_ONLY_REDUCERS_FUNCTIONS, FLOAT_ONLY_REDUCERS_METHODS, FUNCTIONS, JOIN_KINDS, METHODS,
-                            OPTIONAL_KINDS, GlueRule)
+from lq.glue._rules import (CHILD, FLOAT_ONLY_REDUCERS_FUNCTIONS, FLOAT_ONLY_REDUCERS_METHODS, FUNCTIONS, JOIN_KINDS,
+                            METHODS, OPTIONAL_KINDS, POOL, TIED_LAYERS, GlueRule)
 
 #: attributes and methods of a tensor that give Python values (shapes, dtypes), not tensors
 _META_ATTRS = {"shape", "dtype", "device", "ndim", "layout", "is_cuda", "requires_grad", "is_quantized"}
@@ -100,9 +100,9 @@ def _float_only(node: fx.Node, parent, float_adds: set) -> bool:
     def float_reader(u: fx.Node) -> bool:
         if u in float_adds:
             return True
-        if u.op == "call_function" and u.target in FLOAT_ONLY_REDUCERS_FUNCTIONS:
+        if u.op == "call_function" and u.target in FLOAT_ONLY_REDUCERS_FUNCTIONS and not spatial_mean(u):
             return True
-        if u.op == "call_method" and u.target in FLOAT_ONLY_REDUCERS_METHODS:
+        if u.op == "call_method" and u.target in FLOAT_ONLY_REDUCERS_METHODS and not spatial_mean(u):
             return True
         return parent is not None and _reader(u, parent) is not None
 
@@ -125,6 +125,8 @@ def find_sites(graph: fx.Graph, tie=None, parent=None, optional: frozenset = fro
             rule = FUNCTIONS.get(n.target)
         elif n.op == "call_method":
             rule = METHODS.get(n.target)
+        if rule is None and spatial_mean(n) and _read_by_layer(n, parent):
+            rule = POOL
         if rule is None or (rule.kind in OPTIONAL_KINDS and rule.kind not in optional):
             continue
         if rule.kind == "add" and (n.kwargs.get("alpha", 1) != 1 or (n.op == "call_function" and len(n.args) > 2)):
@@ -151,4 +153,48 @@ def find_sites(graph: fx.Graph, tie=None, parent=None, optional: frozenset = fro
         k = counts.get(s.rule.kind, 0)
         counts[s.rule.kind] = k + 1
         s.name = f"{s.rule.kind}_{k}"
+    _tie_to_pools(sites)
     return sites
+
+
+def spatial_mean(n: fx.Node) -> bool:
+    """``x.mean((2, 3), keepdim=True)`` / ``torch.mean(x, (-2, -1), keepdim=True)``: an average over two or more
+    trailing axes keeping them, a global average pool of an (N, C, H, W ...) tensor (timm's squeeze-excite).
+    A mean over one axis (a transformer's ``h.mean(1)``) is not: it stays a float reducer."""
+    if not ((n.op == "call_method" and n.target in FLOAT_ONLY_REDUCERS_METHODS)
+            or (n.op == "call_function" and n.target in FLOAT_ONLY_REDUCERS_FUNCTIONS)):
+        return False
+    dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    keepdim = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+    if keepdim is not True or not isinstance(dims, (tuple, list)) or len(dims) < 2 \
+            or not all(isinstance(d, int) for d in dims):
+        return False  # without keepdim it ends a classifier head, which the export handles (mean first)
+    return all(d >= 2 for d in dims) or all(d < 0 for d in dims)
+
+
+def _read_by_layer(n: fx.Node, parent) -> bool:
+    """A quantized layer (conv, linear) reads the mean: a squeeze-excite's reduce conv. A mean that ends the
+    model or a head stays a float reducer: the export moves it in front of a 1x1 head (less work than any
+    kernel, lq.export.passes._mean_first)."""
+    if parent is None:
+        return False
+    for u in n.users:
+        if u.op == "call_module":
+            try:
+                if isinstance(parent.get_submodule(u.target), TIED_LAYERS):
+                    return True
+            except AttributeError:
+                continue
+    return False
+
+
+def _tie_to_pools(sites: list[Site]) -> None:
+    """An add/mul/cat operand that a pool site also reads is quantized by the pool's quantizer (a squeeze-excite
+    block pools the tensor it then scales): one grid for the tensor, so its producer ends in one QuantizeLinear."""
+    pools = {s.operands[0]: s for s in sites if s.rule.kind == "pool"}
+    for s in sites:
+        if s.rule.kind not in JOIN_KINDS | {"cat"}:
+            continue
+        for i, op in enumerate(dict.fromkeys(s.operands)):
+            if i not in s.tied and op in pools:
+                s.tied[i] = f"{CHILD}.{pools[op].name}"

@@ -1,7 +1,7 @@
 """``DynamicLSTM`` placeholders -> onnxruntime's fused ``com.microsoft.DynamicQuantizeLSTM``.
 
 A ``QuantLSTM`` with ``runtime_dynamic`` activations traces each layer and direction as one placeholder
-(:func:`lq.export.prepare._loop_ops.dynamic_lstm`) whose weights are the weight quantizers' output. Once lowering has
+(:func:`lq.export.trace._loop_ops.dynamic_lstm`) whose weights are the weight quantizers' output. Once lowering has
 made those ``DequantizeLinear(int8 constant, per-row scale)``, this pass writes the op onnxruntime runs as
 one kernel: the integer weights transposed to its ``[1, K, 4H]`` layout and reordered from torch's gate
 order (i, f, g, o) to ONNX's (i, o, f, c), their per-row scales as ``W_scale``/``R_scale`` (per channel),
@@ -20,9 +20,11 @@ import numpy as np
 from onnx import helper
 
 from lq.export._ir import ExportError, Graph, attr, drop_unread, layer_name
-from lq.export.prepare._loop_ops import DYNAMIC_LSTM
+from lq.export.trace._loop_ops import DYNAMIC_LSTM
+
+#: the onnxruntime op a QuantLSTM with recurrent="dynamic" runs as (it quantizes its own activations)
+RUNTIME_QUANTIZED_LSTM = "DynamicQuantizeLSTM"
 from lq.export.trace._symbolic import DOMAIN
-from lq.export.verify._verify import RUNTIME_QUANTIZED_LSTM
 
 MS_DOMAIN = "com.microsoft"
 #: torch's gate blocks (i, f, g, o) in the order of ONNX's LSTM (i, o, f, c)

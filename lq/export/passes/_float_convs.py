@@ -2,7 +2,7 @@
 
 Two kinds. onnxruntime fuses ``DQ(x), DQ(w) -> Conv -> Q`` into ``QLinearConv`` whenever it can, but for a
 depthwise conv or a stem with 1-3 input channels its integer kernel is slower than its float one
-(:data:`lq.export._rules.ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP`): float by choice. And a conv that no
+(:data:`lq.rules.onnxruntime.ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP`): float by choice. And a conv that no
 quantizer reads (a PReLU or a mean reads it) runs in float whatever its weights are; with ``DQ(w)`` as
 its weight, onnxruntime cannot re-lay the weights for its blocked NCHWc float conv and dequantizes them on
 every run (the P-Net of ``bench.ordinary``, 3x3 convs: 2.52 -> 2.07 ms at batch 32; not for a 1x1 conv,
@@ -22,9 +22,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from lq.export.finish._finish import _dequantize
+from lq.export.passes._weight_layout import dequantize
 from lq.export._ir import Graph, attr
-from lq.export._rules import FLOAT_BY_CHOICE, FLOAT_WEIGHTS, ort_prefers_float_conv
+from lq.rules.onnxruntime import ort_prefers_float_conv
+
+#: marks the float weights of a conv left float by choice in the exported file (the kernel report names the reason)
+FLOAT_BY_CHOICE = "float_by_choice"
+#: marks the float (dequantized) weights of a conv that onnxruntime runs in float anyway, because no quantizer
+#: reads its output (a PReLU or a mean reads it): float initializers let it use its blocked (NCHWc) float conv
+FLOAT_WEIGHTS = "dequantized_float"
+FLOAT_MARKERS = (FLOAT_BY_CHOICE, FLOAT_WEIGHTS)
 
 
 def float_weights_for_float_convs(g: Graph) -> list[str]:
@@ -47,7 +54,7 @@ def float_weights_for_float_convs(g: Graph) -> list[str]:
         marker = FLOAT_BY_CHOICE if ort_prefers_float_conv(q.shape[1]) else FLOAT_WEIGHTS
         if marker == FLOAT_WEIGHTS and all(k == 1 for k in q.shape[2:]):
             continue  # a 1x1 conv is one GEMM either way; the NCHWc layout would only add reorders around it
-        w = _dequantize(q, scale, zp, attr(dq, "axis", 1))  # what the DequantizeLinear computes
+        w = dequantize(q, scale, zp, attr(dq, "axis", 1))  # what the DequantizeLinear computes
         n.input[1] = g.add_const(f"{n.input[1]}_{marker}", w)
         if not [u for u in cons.get(dq.output[0], []) if u is not n]:
             dropped.add(id(dq))

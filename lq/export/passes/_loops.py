@@ -1,6 +1,6 @@
 """Recurrent layers as ONNX ``Scan`` loops, and the way the export's passes reach into loop bodies.
 
-A ``QuantLSTM`` traced in lq's export (:mod:`lq.export.prepare._loop_ops`) leaves, per layer and direction, one
+A ``QuantLSTM`` traced in lq's export (:mod:`lq.export.trace._loop_ops`) leaves, per layer and direction, one
 ``lq.export::LSTMScan`` placeholder. Its inputs are ``xw`` (the quantized input projection of every step,
 computed outside), ``h0``, ``c0``, ``h_q`` (the layer's input quantizer applied to an ``lq.export::LoopState``
 marker), the quantized recurrent weight ``w_hh`` (and optionally ``b_hh`` and the projection weight ``w_hr``).
@@ -27,7 +27,7 @@ import onnx
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from lq.export._ir import ExportError, Graph, as_model, attr, drop_unread, layer_name
-from lq.export.prepare._loop_ops import LOOP_STATE, LSTM_SCAN
+from lq.export.trace._loop_ops import LOOP_STATE, LSTM_SCAN
 from lq.export.trace._symbolic import DOMAIN
 
 

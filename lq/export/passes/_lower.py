@@ -26,7 +26,7 @@ from onnx import TensorProto, helper
 
 from lq import _reference
 from lq.export._ir import ExportError, Graph, QuantNodeInfo, attr, layer_name
-from lq.export.prepare._loop_ops import DYNAMIC_LSTM
+from lq.export.trace._loop_ops import DYNAMIC_LSTM
 from lq.export.trace._symbolic import DOMAIN
 
 AMAX_EPSILON = _reference.AMAX_EPSILON

@@ -7,7 +7,7 @@ import onnx
 from onnx import TensorProto
 
 from lq.export._ir import Graph, attr
-from lq.export._rules import commutes, produces
+from lq.rules import commutes, produces
 
 # ops that commute with per-tensor fake quantization: f(fq(x)) == fq(f(x)) exactly
 
@@ -72,7 +72,7 @@ def hoist_quantizers(g: Graph) -> int:
     fake quantization (ReLU, ReLU6/Clip, MaxPool, reshapes) ending in a QuantizeLinear.
 
     ``P -> f -> Q -> DQ`` becomes ``P -> Q -> DQ -> f -> Q -> DQ``: exact (the ``commutes`` column of
-    :mod:`lq.export._rules`), and it gives onnxruntime ``DQ -> P -> Q`` (QLinearConv, QLinearAdd ...) and
+    :mod:`lq.rules`), and it gives onnxruntime ``DQ -> P -> Q`` (QLinearConv, QLinearAdd ...) and
     ``DQ -> f -> Q`` (f in int8; a ReLU/Clip there then runs on the integers: :func:`clips_on_integers`).
     """
     moved = 0

@@ -17,7 +17,7 @@ Only where that holds: the resize reads a per-tensor DequantizeLinear of a tenso
 NHWC in onnxruntime; in NCHW its uint8 Resize is the faster one), its QuantizeLinear has the same scale and
 zero point, the factors are whole numbers (1 on batch and channels; from constant scales, or from sizes that
 are constants or static shapes), and the tensor has at least
-:data:`lq.export._rules.ORT_NHWC_UPSAMPLE_MIN_CHANNELS` channels (the measurement is next to it). Anything
+:data:`lq.rules.onnxruntime.ORT_NHWC_UPSAMPLE_MIN_CHANNELS` channels (the measurement is next to it). Anything
 else keeps its Resize.
 """
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from lq.export._ir import Graph, attr, drop_unread
 from lq.export.passes._placement import same_q
-from lq.export._rules import ORT_NHWC_UPSAMPLE_MIN_CHANNELS
+from lq.rules.onnxruntime import ORT_NHWC_UPSAMPLE_MIN_CHANNELS
 
 #: ops between a conv and the quantized tensor that leave it in onnxruntime's NHWC layout (a max pool with its
 #: own quantizer: Q -> DQ -> MaxPool -> Q, run by onnxruntime as an NHWC uint8 pool)

@@ -16,7 +16,8 @@ import onnx
 
 from lq.export._ir import Graph, as_model
 from lq.export.passes._mean_first import MEAN_FIRST
-from lq.export._rules import FLOAT_BY_CHOICE, FLOAT_MARKERS, ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP
+from lq.export.passes._float_convs import FLOAT_BY_CHOICE, FLOAT_MARKERS
+from lq.rules.onnxruntime import ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP
 from lq.export.verify._verify import INT8_KERNELS, RUNTIME_QUANTIZED_LSTM
 
 #: the reason of a conv the export left float on purpose (:mod:`lq.export.passes._float_convs`)

@@ -13,13 +13,8 @@ from lq.export.timing import _timing
 
 from lq.export.verify import _verify
 from lq.export.passes._fold_bn import FoldRecord
-from lq.export._ir import ExportError, QuantNodeInfo
+from lq.export._ir import ExportError, QuantNodeInfo, VerificationError  # noqa: F401  (public here too)
 from lq.export.report._kernel_report import LayerKernel
-
-
-class VerificationError(ExportError):
-    """onnxruntime's output is not PyTorch's fake-quant output: too many elements more than a few output steps
-    off, top-1 classes that differ beyond a tie, or (when the user set one) more than the tolerance."""
 
 
 @dataclasses.dataclass

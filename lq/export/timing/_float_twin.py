@@ -23,7 +23,7 @@ from onnx import helper
 from lq.export.finish._finish import remove_placeholder_opset
 from lq.export._ir import Graph, attr, drop_unread, subgraphs
 from lq.export.passes._dynamic_lstm import gate_rows
-from lq.export.prepare._loop_ops import DYNAMIC_LSTM, LOOP_STATE, LSTM_SCAN
+from lq.export.trace._loop_ops import DYNAMIC_LSTM, LOOP_STATE, LSTM_SCAN
 from lq.export.passes._loops import lower_recurrent
 from lq.export.trace._symbolic import DOMAIN
 

@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from lq.export.verify import _verify
+from lq.export.prepare._prepare import batch_size  # noqa: F401  (the sample's batch)
 
 #: the reference a user compares an INT8 file with: ``torch.onnx.export`` of the float model
 PLAIN = "the plain FP32 export of this model"
@@ -161,16 +162,6 @@ def compare(int8_model, fp32_model, feeds, providers=None, *, batch: int | None 
     INT8 pays off."""
     int8_s, fp32_s, n = time_rounds(int8_model, fp32_model, feeds, providers, threads=threads, **timing)
     return summarize(int8_s, fp32_s, runs_per_round=n, batch=batch, threads=threads, reference=reference)
-
-
-def batch_size(tensors: Sequence, dims: Sequence[dict]) -> int | None:
-    """The sample's batch: the size of the first axis named "batch" (``dims`` as ``_torch_onnx.dynamic_dims``),
-    else dim 0 of the first input; None without a tensor input."""
-    for a, d in zip(tensors, dims):
-        for ax, name in d.items():
-            if name == "batch":
-                return int(a.shape[ax])
-    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() else None
 
 
 def batch_feeds(tensors: Sequence, dims: Sequence[dict], batch: int | None) -> list[np.ndarray]:

@@ -117,7 +117,7 @@ def translation_table() -> dict:
         axes = op.Constant(value_ints=[int(d) for d in (dim if isinstance(dim, (list, tuple)) else [dim])])
         return op.ReduceMax(x, axes, keepdims=int(bool(keepdim)))
 
-    from lq.export.prepare import _loop_ops  # the recurrent placeholders (QuantLSTM as one loop)
+    from lq.export.trace import _loop_ops  # the recurrent placeholders (QuantLSTM as one loop)
 
     ops = torch.ops.lq
     return {

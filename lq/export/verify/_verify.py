@@ -12,7 +12,7 @@ import numpy as np
 #: onnxruntime ops that mean "this ran as a real integer kernel"
 #: onnxruntime's fused LSTM that quantizes its activations itself, from each GEMM's input: its numbers depend
 #: on how many threads split the batch, so a file holding it is verified with one (what PyTorch computes)
-RUNTIME_QUANTIZED_LSTM = "DynamicQuantizeLSTM"
+from lq.export.passes._dynamic_lstm import RUNTIME_QUANTIZED_LSTM
 INT8_KERNELS = ("QLinearConv", "QLinearMatMul", "QLinearAdd", "QGemm", "QLinearMul", "QLinearConcat",
                 "QLinearAveragePool", "QLinearGlobalAveragePool", "MatMulIntegerToFloat", "ConvInteger",
                 "MatMulInteger", "DynamicQuantizeMatMul", "QLinearLeakyRelu", "QLinearSigmoid", "QLinearSoftmax",
@@ -106,9 +106,9 @@ def output_steps(model) -> list[float]:
     """
     from onnx import numpy_helper
 
-    from lq.export.finish._finish import _dequantize
+    from lq.export.passes._weight_layout import dequantize
     from lq.export._ir import Graph
-    from lq.export._rules import commutes
+    from lq.rules import commutes
 
     g = Graph(model)
     prod = g.producers()
@@ -127,7 +127,7 @@ def output_steps(model) -> list[float]:
         if q is None or s is None:
             return None
         zp = const(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
-        return _dequantize(q, s, zp, next((a.i for a in dq.attribute if a.name == "axis"), 1))
+        return dequantize(q, s, zp, next((a.i for a in dq.attribute if a.name == "axis"), 1))
 
     def step_of(name) -> float:
         n = prod.get(name)

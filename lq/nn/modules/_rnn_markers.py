@@ -2,7 +2,7 @@
 
 Why: torch.export follows a Python loop step by step, so an LSTM over T steps became T copies of its step
 (fixed to the sample's T, thousands of nodes, minutes to export). When the exporter sets the module's
-``_export_as_loop`` (:func:`lq.export.prepare._loop_ops.loop_mode`), :meth:`~lq.nn.QuantLSTM._direction_loop` calls,
+``_export_as_loop`` (:func:`lq.export.trace._loop_ops.loop_mode`), :meth:`~lq.nn.QuantLSTM._direction_loop` calls,
 per layer and direction:
 
 * ``lq_export::loop_state(h0)``: a marker for "the hidden state the step reads". The layer's input quantizer

@@ -146,7 +146,7 @@ class QuantLSTM(nn.LSTM, QuantMixin):
 
     default_quant_desc_weight = tensor_quant.QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW
     _quantizer_names = ("_input_quantizers", "_weight_quantizers", "_weight_hr_quantizers")
-    #: set by lq.export on the copy it exports (:func:`lq.export.prepare._loop_ops.loop_mode`): trace the time loop as
+    #: set by lq.export on the copy it exports (:func:`lq.export.trace._loop_ops.loop_mode`): trace the time loop as
     #: one placeholder op per layer and direction instead of one step per time step
     _export_as_loop = False
     #: activations quantized as onnxruntime's fused ``DynamicQuantizeLSTM`` does it (set with

@@ -1,0 +1,53 @@
+"""onnxruntime's table (x86 CPU, its QDQ fusions and QLinear* kernels): one entry per operator family, plus the
+measured thresholds where its float kernel beats its integer one."""
+
+from __future__ import annotations
+
+from lq.rules import OpRule
+
+RULES: tuple[OpRule, ...] = (
+    OpRule("conv", ("Conv",), produces=True, kernels=("QLinearConv",)),
+    OpRule("conv_transpose", ("ConvTranspose",), produces=True,
+           note="no CPU integer kernel: runs in float between Q/DQ"),
+    OpRule("gemm", ("Gemm",), produces=True, kernels=("QGemm",)),
+    # a MatMul whose bias Add follows (a Linear on 3-D input) is written as Gemm (lq.export.passes._linear_gemm)
+    OpRule("matmul", ("MatMul",), produces=True, kernels=("QLinearMatMul", "MatMulIntegerToFloat")),
+    OpRule("add", ("Add",), produces=True, kernels=("QLinearAdd",)),
+    OpRule("concat", ("Concat",), produces=True, kernels=("QLinearConcat",)),
+    OpRule("average_pool", ("GlobalAveragePool", "AveragePool"), produces=True,
+           kernels=("QLinearGlobalAveragePool", "QLinearAveragePool")),
+    OpRule("relu", ("Relu",), note="fused into the producer's kernel, or an integer Max"),
+    # ReLU6, Hardtanh, clamp: the bounds' codes on the integers (or nothing, when outside the grid's range)
+    OpRule("clip", ("Clip",), note="the bounds' codes on the integers, or fused"),
+    OpRule("max_pool", ("MaxPool",), note="MaxPool on uint8"),
+    OpRule("data_movement", ("Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity"),
+           note="on the integers"),
+    # nearest by whole factors of a conv's output: an NHWC Expand instead (lq.export.passes._upsample)
+    OpRule("resize", ("Resize",), note="nearest on uint8; linear does not commute"),
+    # onnxruntime has QLinearLeakyRelu, but lq gives a conv before PReLU/LeakyReLU no output quantizer: the slope
+    # times a grid value often lands half-way between two steps, and runtimes round such ties differently
+    # (lq.glue._rules); the conv runs with float weights, the activation in float
+    OpRule("prelu", ("PRelu",), note="float, and the conv before it (slope ties)"),
+    OpRule("leaky_relu", ("LeakyRelu",), note="float, and the conv before it (slope ties)"),
+    OpRule("sigmoid", ("Sigmoid",), kernels=("QLinearSigmoid",)),  # between quantizers: a squeeze-excite gate
+    OpRule("hardswish", ("HardSwish",), note="float between Q/DQ"),
+)
+
+#: onnxruntime (x86 MLAS) runs a conv with fewer input channels per group than this (a depthwise conv, an RGB
+#: or grayscale stem) slower as QLinearConv than as its float conv: measured by ``python -m bench.conv_kernels``
+#: (AVX-512 VNNI, INT8 over FP32 kernel time: depthwise 3x3 / 7x7 0.52-1.04x, 1-3 input channels 0.24-0.64x,
+#: 4 to 32 input channels 1.6-2.6x; docs/results/conv_kernels.md).
+#: The export gives such a conv its dequantized weights as float (the same values), so onnxruntime runs the
+#: faster float kernel, and lq.glue gives it no output quantizer of its own.
+ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP = 4
+
+#: a nearest upsample (by whole factors) of a conv's quantized output is written as a channels-last Expand
+#: (:mod:`lq.export.passes._upsample`) from this many channels on: onnxruntime resizes it in NHWC with an index per
+#: element. Between two QLinearConvs (batch 32, 16x16 -> 32x32, AVX-512 VNNI), conv + upsample + conv took
+#: 1.15 vs 1.18 ms (Resize vs Expand) at 4 channels, 1.50 vs 1.40 at 8, 1.39 vs 1.10 at 16, 10.1 vs 8.5 at 64.
+ORT_NHWC_UPSAMPLE_MIN_CHANNELS = 8
+
+
+def ort_prefers_float_conv(channels_per_group: int) -> bool:
+    """Whether onnxruntime runs a conv with this many input channels per group faster in float."""
+    return channels_per_group < ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP
