@@ -204,3 +204,35 @@ def test_library_style_cnn_on_the_onnxruntime_recipe_gives_pytorchs_numbers_on_a
         want = m(test).numpy()
     (got,) = first_outputs_on_avx2([(res.path, {res.input_names[0]: test.numpy()})])
     assert not res.judge([got], [want]), f"{CPU}: {res.judge([got], [want])}"
+
+
+def test_every_rule_and_the_new_placements_give_pytorchs_numbers_on_avx2(tmp_path):
+    """Every family of onnxruntime's rule table (tests/test_rules.py's examples, default recipe), a 1-D
+    conv -> ReLU -> BatchNorm -> MaxPool stack (CREPE's layers: the output quantizer on the ReLU) and a
+    conv -> PReLU -> MaxPool -> conv (O-Net's: the pool shares its reader's grid) on the AVX2-only CPU, judged
+    by the export's own rule against PyTorch."""
+    import test_rules
+
+    torch.manual_seed(0)
+    crepe = nn.Sequential(nn.Conv1d(1, 16, 9, padding=4), nn.ReLU(), nn.BatchNorm1d(16), nn.MaxPool1d(2),
+                          nn.Conv1d(16, 16, 5, padding=2), nn.ReLU(), nn.BatchNorm1d(16), nn.MaxPool1d(2),
+                          nn.Flatten(), nn.Linear(16 * 16, 10))
+    onet = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.PReLU(16), nn.MaxPool2d(2),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.PReLU(16), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(16 * 2 * 2, 10))
+    images = _digits()
+    models = {f: (test_rules.calibrated_example(f), test_rules.sample_batches(f, 1, seed=9)[0], test_rules.sample_batches(f)[0])
+              for f in sorted(test_rules.EXAMPLES)}
+    for name, (model, x) in {"crepe": (crepe, images.reshape(-1, 1, 64)), "onet": (onet, images.unsqueeze(1))}.items():
+        model = _calibrated(model.eval(), Int8OnnxruntimeConfig(), [x[i:i + 64] for i in range(0, 512, 64)])
+        models[name] = (model, x[1400:1464], x[:32])
+    cases, wants, results = [], [], []
+    for name, (model, test, sample) in models.items():
+        res = export_onnx(model, sample, str(tmp_path / f"{name}.onnx"), speed_check=False)
+        with torch.no_grad():
+            wants.append(model(test).numpy())
+        results.append(res)
+        cases.append((res.path, {res.input_names[0]: test.numpy()}))
+    got = first_outputs_on_avx2(cases)
+    bad = {n: why for n, g, want, res in zip(models, got, wants, results) if (why := res.judge([g], [want]))}
+    assert not bad, f"on {CPU}: {bad}"

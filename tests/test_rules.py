@@ -156,9 +156,10 @@ EXAMPLES = {
 }
 
 
-def _export(family: str, tmp_path, descriptors: bool = False):
+def calibrated_example(family: str, descriptors: bool = False) -> nn.Module:
     """The family's example quantized with the default recipe, or (``descriptors``) on pytorch-quantization's path
-    (symmetric activations, no output quantizers from the glue: the export's own placement does the work)."""
+    (symmetric activations, no output quantizers from the glue: the export's own placement does the work), and
+    calibrated (max) on four seeded batches."""
     ex = EXAMPLES[family]
     torch.manual_seed(0)
     model = (ex.probe if descriptors and ex.probe else ex.build)().eval()
@@ -166,11 +167,19 @@ def _export(family: str, tmp_path, descriptors: bool = False):
         quantize_model(model, quant_desc_input=QuantDescriptor())
     else:
         quantize_model(model)
-    gen = torch.Generator().manual_seed(1)
-    batches = [torch.randn(ex.shape, generator=gen) for _ in range(4)]
     with torch.no_grad():
-        calibrate_model(model, batches, method="max")
-    return export_onnx(model, batches[0], tmp_path / f"{family}{'_pq' if descriptors else ''}.onnx",
+        calibrate_model(model, sample_batches(family), method="max")
+    return model
+
+
+def sample_batches(family: str, n: int = 4, seed: int = 1) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(EXAMPLES[family].shape, generator=gen) for _ in range(n)]
+
+
+def _export(family: str, tmp_path, descriptors: bool = False):
+    model = calibrated_example(family, descriptors)
+    return export_onnx(model, sample_batches(family)[0], tmp_path / f"{family}{'_pq' if descriptors else ''}.onnx",
                        speed_check=False)
 
 
