@@ -187,6 +187,9 @@ def test_ordinary_fast(runs):
                 v = r["acc_avx2"][recipe]
                 tol = 0.1 if "metric" in r else 100 * 2 / r["avx2_inputs"] + 1e-6  # two predictions may flip
                 assert abs(v["avx2"] - v["here"]) <= tol, (name, r["acc_avx2"])
+        if "metric" in r:  # MiniLM with the callback's default recipe: verified in steps, as close as PyTorch's
+            v = r["acc"][O.LQ_RECIPE]
+            assert r["verdict"][O.LQ_RECIPE] and v > 98 and abs(v - r["acc"][O.LQ_RECIPE + " (PyTorch)"]) <= 0.1, r
     md = (out / "ordinary" / "ordinary.md").read_text()
     assert "## Targets" in md and "(CPU: " in md and "Command: `python -m bench.ordinary --fast" in md
     assert f"| {O.FP32_LEGACY}: speed-up" in md  # its own column in the speed table
