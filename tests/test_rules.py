@@ -243,11 +243,16 @@ def test_every_family_has_an_example():
     assert len(ops) == len(set(ops)), "an op in two families"
 
 
+#: (family, descriptors) -> the intact example's problems, measured once per session (each export takes seconds)
+_INTACT: dict = {}
+
+
 @pytest.mark.parametrize("family", sorted(EXAMPLES))
 def test_the_rule_holds_in_the_exported_file(family, tmp_path):
     res = _export(family, tmp_path)
     assert res.verified
-    assert _problems(family, res) == []
+    _INTACT[(family, False)] = _problems(family, res)
+    assert _INTACT[(family, False)] == []
 
 
 def _broken(family: str, monkeypatch) -> None:
@@ -262,10 +267,14 @@ def _broken(family: str, monkeypatch) -> None:
     monkeypatch.setattr(lq.rules, "COMMUTING_OPS", frozenset(ops))
 
 
-def _outcomes(family: str, tmp_path) -> list:
-    """Per quantization path, the problems of the exported example, or "wrong numbers" when verification fails."""
+def _outcomes(family: str, tmp_path, cache: dict | None = None) -> list:
+    """Per quantization path, the problems of the exported example, or "wrong numbers" when verification fails;
+    ``cache``: outcomes already measured (the intact table's)."""
     out = []
     for descriptors in (False, True):
+        if cache is not None and (family, descriptors) in cache:
+            out.append(cache[(family, descriptors)])
+            continue
         try:
             out.append(_problems(family, _export(family, tmp_path, descriptors)))
         except VerificationError:
@@ -278,7 +287,7 @@ def test_a_broken_rule_is_caught(family, tmp_path, monkeypatch):
     """With the entry broken, one of the two quantization paths computes wrong numbers (a quantizer moved across
     an op it does not commute with) or has more problems than with the entry intact (a layer that lost its
     integer kernel, a float op the example forbids)."""
-    intact = _outcomes(family, tmp_path)
+    intact = _outcomes(family, tmp_path, _INTACT)
     assert "wrong numbers" not in intact
     _broken(family, monkeypatch)
     broken = _outcomes(family, tmp_path)
