@@ -565,6 +565,7 @@ def quantize_model(
     unsigned: set[str] = set()
     if glue or unsigned_after_relu:
         from lq import glue as _glue
+        from lq.glue import _pool_grid
 
         graphs: dict = {}
         will_be_quantized = lambda m: isinstance(m, QuantMixin) or id(m) in targets  # noqa: E731
@@ -573,7 +574,7 @@ def quantize_model(
             skip=will_be_quantized, will_be_quantized=will_be_quantized, graphs=graphs,
             optional=frozenset({"mul", "relu_norm"}) if activations else frozenset())
         if glue and activations:  # a max pool and its reader on one grid (lq.glue._pool_grid)
-            pool_pairs = _glue._pool_grid.pool_readers(model, graphs, will_be_quantized)
+            pool_pairs = _pool_grid.pool_readers(model, graphs, will_be_quantized)
         if not glue:
             glue_plans, glue_outputs, glue_already, glue_notes = [], [], [], []
         if unsigned_after_relu:
@@ -667,7 +668,7 @@ def quantize_model(
             parent._modules[attr] = t.new
         layers[t.row] = LayerSummary.of(t.name, t.new, "quantized")
     if pool_pairs:
-        _glue._pool_grid.share(pool_pairs, lambda m: targets[id(m)].new if id(m) in targets else m)
+        _pool_grid.share(pool_pairs, lambda m: targets[id(m)].new if id(m) in targets else m)
     for o, q in zip(glue_outputs, output_quantizers, strict=True):
         layer = targets[id(o.layer)].new if id(o.layer) in targets else o.layer
         _glue._outputs.commit(o, layer, q)

@@ -14,7 +14,6 @@ The options are one :class:`lq.config.ExportConfig` (the one the callback and Hy
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import time
 
@@ -29,8 +28,6 @@ from lq.export.timing import _float_twin, _speed
 from lq.export.trace import _trace
 from lq.export.finish import _finish
 from lq.export.verify import _judge, _verify
-
-log = logging.getLogger(__name__)
 
 TARGETS = EXPORT_TARGETS
 __all__ = ["export_onnx", "export_config", "EXPORTERS", "TARGETS", "WEIGHT_FORMATS"]
@@ -112,11 +109,12 @@ def export_onnx(model, sample_input, path=None, config: ExportConfig | None = No
     export_seconds = time.perf_counter() - t0
 
     providers = list(cfg.providers) if cfg.providers else _verify.default_providers(prep.device_type)
-    verified = _judge.verify(proto, prep, cfg, providers, traced.unrolled, bool(rewrite.dynamic_lstms)) \
+    data = proto.SerializeToString()  # the file as it will be deployed: verified and timed from these bytes
+    verified = _judge.verify(proto, data, prep, cfg, providers, traced.unrolled, bool(rewrite.dynamic_lstms)) \
         if cfg.verify else None
     atomic_save(proto, cfg.path)
     ort_ops, kernels = _report.kernels(proto, cfg, providers, seen, notes)
-    speed = _speed.speed_check(proto.SerializeToString(), proto, prep, cfg, twin, providers, kernels, notes) \
+    speed = _speed.speed_check(data, proto, prep, cfg, twin, providers, kernels, notes) \
         if twin is not None else None
     return _report.result(proto, cfg, opset, prep, rewrite, verified, providers, ort_ops, kernels, speed, notes,
                           export_seconds)

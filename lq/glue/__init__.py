@@ -20,7 +20,7 @@ from typing import Callable
 import torch.fx as fx
 from torch import nn
 
-from lq.glue import _outputs, _pool_grid
+from lq.glue import _outputs
 from lq.glue._outputs import OutputSite
 from lq.glue._rewrite import CHILD, GlueQuantized, GlueQuantizer, commit, glue_class, remove
 from lq.glue._rules import (FUNCTIONS, INPUT_QUANTIZER, METHODS, TIE_THROUGH_FUNCTIONS, TIE_THROUGH_METHODS, TIE_THROUGH_MODULES,
@@ -78,9 +78,14 @@ class GluePlan:
 
     def site_quantizers(self, site: Site) -> list:
         """Every quantizer a site applies: its own, then the layers' input quantizers it is tied to."""
-        return [self.quantizers[q] for q in site.quantizer_names()] + [
-            self.quantizers[p[len(CHILD) + 1:]] if p.startswith(CHILD + ".") else self.module.get_submodule(p)
-            for p in site.tied.values()]
+        return [self.quantizers[q] for q in site.quantizer_names()] + [self._tied(p) for p in site.tied.values()]
+
+    def _tied(self, path: str):
+        """The quantizer a tied operand uses: another site's of this forward (``lq_glue.pool_0``), or a layer's
+        input quantizer (``conv1._input_quantizer``)."""
+        if path.startswith(CHILD + "."):
+            return self.quantizers[path[len(CHILD) + 1:]]
+        return self.module.get_submodule(path)
 
     def label(self, site: Site) -> str:
         return _LABELS[site.rule.kind]

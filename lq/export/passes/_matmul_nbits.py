@@ -38,7 +38,7 @@ def write_matmul_nbits(g: Graph) -> list[str]:
 
     Returns one note per blocked weight left as a DequantizeLinear (with the reason)."""
     notes: list[str] = []
-    prod, cons = g.producers(), g.consumers()
+    cons = g.consumers()
     drop: set[int] = set()
     new_nodes: dict[int, object] = {}  # id(matmul) -> its MatMulNBits
     for dq in [n for n in g.nodes if n.op_type == "DequantizeLinear" and attr(n, "block_size", 0)]:

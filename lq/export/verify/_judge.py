@@ -31,13 +31,12 @@ class Verified:
     verdict: str  # the checks in one line
 
 
-def verify(proto: onnx.ModelProto, prep: Prepared, cfg: ExportConfig, providers: list, unrolled: list,
+def verify(proto: onnx.ModelProto, data: bytes, prep: Prepared, cfg: ExportConfig, providers: list, unrolled: list,
            one_thread: bool) -> Verified:
     """Raise :class:`VerificationError` (or ExportError when onnxruntime cannot run the file) unless the file
-    computes what the PyTorch model does. ``one_thread``: onnxruntime's DynamicQuantizeLSTM quantizes per
+    computes what the PyTorch model does. ``data``: ``proto`` serialized (what runs). ``one_thread``: onnxruntime's DynamicQuantizeLSTM quantizes per
     thread's share of the batch, so it is verified on one thread."""
     path = cfg.path
-    data = proto.SerializeToString()
     max_diff, ref_max = 0.0, 0.0
     steps = _verify.output_steps(proto)
     by_output: dict[int, _verify.OutputCheck] = {}
