@@ -562,10 +562,11 @@ def quantize_model(
     # ---- glue ops in the modules' own forwards (traced, nothing modified)
     glue_plans, glue_outputs, glue_notes = [], [], []
     pool_pairs: list = []
+    argument_pairs: list = []
     unsigned: set[str] = set()
     if glue or unsigned_after_relu:
         from lq import glue as _glue
-        from lq.glue import _pool_grid
+        from lq.glue import _argument_ties, _pool_grid
 
         graphs: dict = {}
         will_be_quantized = lambda m: isinstance(m, QuantMixin) or id(m) in targets  # noqa: E731
@@ -577,6 +578,8 @@ def quantize_model(
             pool_pairs = _pool_grid.pool_readers(model, graphs, will_be_quantized)
         if not glue:
             glue_plans, glue_outputs, glue_already, glue_notes = [], [], [], []
+        # a child's join operand and the caller's layer reading the same tensor: one grid (lq.glue._argument_ties)
+        argument_pairs = _argument_ties.argument_readers(model, graphs, glue_plans, will_be_quantized)
         if unsigned_after_relu:
             unsigned = _glue.unsigned_inputs(model, graphs, glue_plans, will_be_quantized)
     if glue:
@@ -669,6 +672,8 @@ def quantize_model(
         layers[t.row] = LayerSummary.of(t.name, t.new, "quantized")
     if pool_pairs:
         _pool_grid.share(pool_pairs, lambda m: targets[id(m)].new if id(m) in targets else m)
+    if argument_pairs:
+        _argument_ties.share(argument_pairs, lambda m: targets[id(m)].new if id(m) in targets else m)
     for o, q in zip(glue_outputs, output_quantizers, strict=True):
         layer = targets[id(o.layer)].new if id(o.layer) in targets else o.layer
         _glue._outputs.commit(o, layer, q)

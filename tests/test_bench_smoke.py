@@ -174,7 +174,9 @@ def test_ordinary_fast(runs):
         # speed-ups against the current exporter's FP32 file (the one lq's speed check makes); the legacy
         # exporter's file, onnxruntime's quantizers' input, timed beside the INT8 files
         assert O.FP32 not in r["speedup"] and _finite(r["speedup"][O.FP32_LEGACY]["median"]), (name, r["speedup"])
-        for recipe in ("lq INT8 (8-bit weights)", "lq INT8 (int8_reduce_range)"):
+        # --fast: the digits models with the callback's default recipe and int8_reduce_range; MiniLM also with
+        # pytorch-quantization's descriptors (and the default recipe, checked below)
+        for recipe in ((O.LQ_DEFAULT,) if "metric" in r else (O.LQ_RECIPE,)) + (O.LQ_REDUCE,):
             if "metric" in r:  # MiniLM: the file's embeddings and PyTorch fake-quant's, each by cosine to FP32
                 assert r["acc"][recipe] > 95 and abs(r["acc"][recipe] - r["acc"][recipe + " (PyTorch)"]) <= 0.1, r
             else:  # the same 360 test images through onnxruntime and through PyTorch: at most 2 predictions differ

@@ -536,3 +536,53 @@ def test_unet_skip_tensor_has_one_grid_and_every_conv_is_integer(tmp_path, metho
     assert kernels["head"].by_choice and "average of its input" in kernels["head"].reason, kernels["head"]
     ops = optimized_op_counts(res.path)
     assert ops.get("QLinearConcat") == 2 and "Concat" not in ops and "Relu" not in ops and "Max" not in ops, ops
+
+
+class UpBlock(nn.Module):
+    """A decoder block as library code writes it: the cat of the upsampled map and the skip is in its own forward."""
+
+    def __init__(self, deep: int, skip: int, o: int):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(deep + skip, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU())
+
+    def forward(self, deep, skip):
+        return self.conv(torch.cat([F.interpolate(deep, scale_factor=2, mode="nearest"), skip], 1))
+
+
+class BlockUNet(nn.Module):
+    """The skip tensors cross a module boundary: the model max-pools them into the next stage and passes them to
+    the decoder blocks, whose forward concatenates them (bench.library's VGG-BN U-Net)."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        cbr = lambda i, o: nn.Sequential(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU())  # noqa: E731
+        self.stage1, self.stage2, self.stage3 = cbr(1, c), cbr(c, 2 * c), cbr(2 * c, 4 * c)
+        self.up2, self.up1 = UpBlock(4 * c, 2 * c, 2 * c), UpBlock(2 * c, c, c)
+        self.head = nn.Conv2d(c, 1, 1)
+
+    def forward(self, x):
+        e1 = self.stage1(x)
+        e2 = self.stage2(F.max_pool2d(e1, 2))
+        e3 = self.stage3(F.max_pool2d(e2, 2))
+        return self.head(self.up1(self.up2(e3, skip=e2), e1))
+
+
+@pytest.mark.parametrize("method", ["max", "auto"])
+def test_a_skip_passed_to_a_decoder_block_has_the_grid_of_the_conv_that_pools_it(tmp_path, method):
+    """The decoder block's cat operand for ``skip`` is the caller's next-stage conv input quantizer (one module under
+    two names, lq.glue._argument_ties), positional or keyword; so with any calibration the convs writing the skips
+    end in one QuantizeLinear and run as QLinearConv (before: float under ``auto``, two readers on two grids)."""
+    pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    m = _trained_bn(BlockUNet(), channels=1, size=16)
+    quantize_model(m)  # the callback's default recipe (int8_onnxruntime)
+    assert m.up2.lq_glue["cat_0_b"] is m.stage3[0]._input_quantizer  # skip=e2, a keyword
+    assert m.up1.lq_glue["cat_0_b"] is m.stage2[0]._input_quantizer  # e1, positional
+    assert m.up1.lq_glue["cat_0_a"] is not m.stage2[0]._input_quantizer  # the upsampled operand keeps its own
+    x = torch.rand(16, 1, 16, 16)
+    calibrate_model(m, [x[:8], x[8:]], method=method)
+    res = export_onnx(m, x[:4], str(tmp_path / "unet.onnx"))  # verified against PyTorch inside
+    kernels = {k.layer: k.kernel for k in res.layer_kernels if k.op == "Conv"}
+    assert all(k == "QLinearConv" for name, k in kernels.items() if name != "head"), kernels
+    state = m.state_dict()  # one module under two names: both keys, the same calibrated range
+    assert torch.equal(state["up1.lq_glue.cat_0_b._amax"], state["stage2.0._input_quantizer._amax"])
