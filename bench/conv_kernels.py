@@ -1,11 +1,13 @@
-"""Which convs onnxruntime runs faster as QLinearConv than as its float conv, by input channels per group.
+"""Which convs onnxruntime runs faster as QLinearConv than as its float conv, by input channels per group and
+products per output.
 
     python -m bench.conv_kernels [--fast] [--out DIR]
 
-The measurement behind ``lq.rules.onnxruntime.ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP``: for depthwise convs
-(3x3 and 7x7) and dense convs with 1 to 32 input channels, one quantized conv (lq's
-``int8_reduce_range`` recipe, exported by ``lq.export.export_onnx`` with a quantizer after it, so
-onnxruntime fuses it into QLinearConv) against the same conv in FP32 (``torch.onnx``), batch 32, one
+The measurement behind ``lq.rules.onnxruntime.ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP`` and
+``ORT_INT8_CONV_MIN_REDUCTION``: for depthwise convs (3x3 and 7x7), dense convs with 1 to 32 input channels, and
+the stems people's models have (an RGB 7x7 at stride 2, 1-D audio stems of 32 to 512 taps on one channel), one
+quantized conv (lq's ``int8_reduce_range`` recipe, exported by ``lq.export.export_onnx`` with a quantizer after it,
+so onnxruntime fuses it into QLinearConv) against the same conv in FP32 (``torch.onnx``), batch 32, one
 thread. The conv's own kernel time comes from onnxruntime's profiler (median over runs), so the Q/DQ and
 layout ops around it do not count. The table names the CPU's ISA.
 """
@@ -29,7 +31,8 @@ from bench import _report
 
 torch.set_flush_denormal(True)
 
-#: (label, in channels, out channels, kernel, groups, spatial size)
+#: (label, in channels, out channels, kernel, groups, spatial size[, stride, spatial dims]); 1-D cases run Conv1d
+#: on a signal of that length
 CASES = [
     ("depthwise 3x3, 32 ch, 32x32", 32, 32, 3, 32, 32),
     ("depthwise 3x3, 64 ch, 16x16", 64, 64, 3, 64, 16),
@@ -41,14 +44,20 @@ CASES = [
     ("dense 3x3, 8 -> 32, 32x32", 8, 32, 3, 1, 32),
     ("dense 1x1, 16 -> 32, 32x32", 16, 32, 1, 1, 32),
     ("dense 1x1, 32 -> 32, 32x32", 32, 32, 1, 1, 32),
+    ("dense 5x5, 3 -> 32, 32x32", 3, 32, 5, 1, 32),
+    ("dense 7x7 stride 2, 3 -> 32, 64x64 (ResNet's RGB stem)", 3, 32, 7, 1, 64, 2),
+    ("1-D 32 taps, 1 -> 64, 784 samples", 1, 64, 32, 1, 784, 1, 1),
+    ("1-D 128 taps stride 4, 1 -> 64, 784 samples", 1, 64, 128, 1, 784, 4, 1),
+    ("1-D 512 taps stride 4, 1 -> 128, 784 samples (CREPE's stem)", 1, 128, 512, 1, 784, 4, 1),
 ]
 FAST = [0, 3, 5, 6]
 
 
-def _model(cin, cout, k, groups):
+def _model(cin, cout, k, groups, stride=1, dims=2):
     """The conv, then a ReLU and a 1x1 conv, so that a quantizer reads its output (onnxruntime fuses it)."""
-    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, groups=groups), nn.ReLU(),
-                         nn.Conv2d(cout, 8, 1)).eval()
+    conv = nn.Conv1d if dims == 1 else nn.Conv2d
+    return nn.Sequential(conv(cin, cout, k, stride, padding=k // 2, groups=groups), nn.ReLU(),
+                         conv(cout, 8, 1)).eval()
 
 
 def _conv_ms(path: str, x: np.ndarray, runs: int, prefix: str) -> tuple[float, str]:
@@ -77,10 +86,11 @@ def measure(case, d: str, runs: int) -> dict:
     from bench.ordinary import lq_ptq
     from lq.export import export_onnx
 
-    label, cin, cout, k, groups, hw = case
+    label, cin, cout, k, groups, hw, *rest = case
+    stride, dims = (rest[0] if rest else 1), (rest[1] if len(rest) > 1 else 2)
     torch.manual_seed(0)
-    model = _model(cin, cout, k, groups)
-    x = torch.randn(32, cin, hw, hw)
+    model = _model(cin, cout, k, groups, stride, dims)
+    x = torch.randn(32, cin, *([hw] * dims))
     fp32, int8 = os.path.join(d, "fp32.onnx"), os.path.join(d, "int8.onnx")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -90,7 +100,8 @@ def measure(case, d: str, runs: int) -> dict:
     xn = x.numpy()
     f_ms, f_op = _conv_ms(fp32, xn, runs, os.path.join(d, "p_fp32"))
     i_ms, i_op = _conv_ms(int8, xn, runs, os.path.join(d, "p_int8"))
-    return {"case": label, "channels_per_group": cin // groups, "fp32_ms": f_ms, "int8_ms": i_ms,
+    return {"case": label, "channels_per_group": cin // groups, "products": cin // groups * k ** dims,
+            "fp32_ms": f_ms, "int8_ms": i_ms,
             "int8_op": i_op, "fp32_op": f_op, "speedup": f_ms / i_ms}
 
 
@@ -115,10 +126,10 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - t0
     _report.write_json(out / "conv_kernels.json", {"rows": rows, "machine": _report.machine(), "command": cmd,
                                                    "seconds": seconds})
-    table = _report.table(["conv (batch 32)", "input channels per group", "FP32 conv ms", "INT8 kernel",
-                           "INT8 ms", "INT8 speed-up"],
-                          [(r["case"], r["channels_per_group"], f"{r['fp32_ms']:.3f}", r["int8_op"],
-                            f"{r['int8_ms']:.3f}", f"{r['speedup']:.2f}x") for r in rows], "lrrlrr")
+    table = _report.table(["conv (batch 32)", "input channels per group", "products per output", "FP32 conv ms",
+                           "INT8 kernel", "INT8 ms", "INT8 speed-up"],
+                          [(r["case"], r["channels_per_group"], r["products"], f"{r['fp32_ms']:.3f}", r["int8_op"],
+                            f"{r['int8_ms']:.3f}", f"{r['speedup']:.2f}x") for r in rows], "lrrrlrr")
     lines = ["# Conv kernels: INT8 or float", "",
              f"Produced by `bench/conv_kernels.py` (CPU: {isa}). One conv's kernel time in onnxruntime's profiler, "
              "1 thread; INT8 = lq's int8_reduce_range export, which onnxruntime fuses into QLinearConv.", "",

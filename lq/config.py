@@ -152,8 +152,9 @@ class QuantConfig:
             int8): on in :class:`Int8ReduceRangeConfig`.
         activations: also quantize ``nn.SiLU`` and ``nn.Hardswish`` as ``x * gate(x)`` with ``x`` and the gate
             quantized (:mod:`lq.nn.modules.quant_activation`): onnxruntime then runs QLinearSigmoid/QLinearMul
-            instead of a float activation between a DequantizeLinear and a QuantizeLinear; and a conv -> ReLU ->
-            BatchNorm gets its output quantizer on the ReLU (the conv runs integer with the ReLU fused).
+            instead of a float activation between a DequantizeLinear and a QuantizeLinear; a conv -> ReLU ->
+            BatchNorm gets its output quantizer on the ReLU (the conv runs integer with the ReLU fused); and a conv
+            read by PReLU/LeakyReLU gets one too (the activation runs in float between Q/DQ).
         recurrent: how ``nn.LSTM`` layers quantize their activations: ``"scan"`` (their input quantizers,
             calibrated; exported as an ONNX Scan loop, any runtime) or ``"dynamic"`` (onnxruntime's fused
             ``DynamicQuantizeLSTM``: each layer's input and every step's h quantized from themselves, the

@@ -573,7 +573,7 @@ def quantize_model(
         glue_plans, glue_outputs, glue_already, glue_notes = _glue.plan(
             model, selected=lambda n: _matches(n, include) and not _matches(n, exclude),
             skip=will_be_quantized, will_be_quantized=will_be_quantized, graphs=graphs,
-            optional=frozenset({"mul", "relu_norm"}) if activations else frozenset())
+            optional=frozenset({"mul", "relu_norm", "sloped"}) if activations else frozenset())
         if glue and activations:  # a max pool and its reader on one grid (lq.glue._pool_grid)
             pool_pairs = _pool_grid.pool_readers(model, graphs, will_be_quantized)
         if not glue:

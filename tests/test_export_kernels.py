@@ -18,6 +18,7 @@ from lq import report
 from lq.calibration import calibrate_model
 from lq.convert import quantize_model
 from lq.export import INT8_KERNELS, export_onnx, optimized_op_counts
+from lq.tensor_quant import QuantDescriptor
 from lq.export.timing import _timing
 
 ort = pytest.importorskip("onnxruntime")
@@ -55,10 +56,10 @@ class GroupNormNet(nn.Module):
         return self.fc(y.mean((2, 3)))
 
 
-def _quantized(model, x, glue=True):
+def _quantized(model, x, glue=True, method=None, **kw):
     model = model.eval()
-    quantize_model(model, glue=glue)
-    calibrate_model(model, [x])
+    quantize_model(model, glue=glue, **kw)
+    calibrate_model(model, [x], **({"method": method} if method else {}))
     return model
 
 
@@ -219,19 +220,23 @@ def test_depthwise_and_thin_stem_run_float_by_choice_with_the_same_numbers(tmp_p
         np.testing.assert_allclose(_run(res.path, x, level), want, rtol=1e-4, atol=1e-4)
 
 
+def _prelu_net():
+    return nn.Sequential(nn.Conv2d(8, 16, 3), nn.PReLU(16), nn.Conv2d(16, 16, 3), nn.PReLU(16), nn.Conv2d(16, 16, 1),
+                         nn.PReLU(16), nn.Conv2d(16, 4, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+
 def test_convs_no_quantizer_reads_get_their_dequantized_weights_as_float(tmp_path):
-    """Convs read by PReLU and by a mean run in float (nothing quantizes their outputs): the export stores their
-    dequantized weights as float, so onnxruntime neither dequantizes them on every run nor misses its blocked
-    float conv; the report still names the reader, and the numbers are PyTorch fake-quant's."""
+    """Convs read by PReLU (on pytorch-quantization's symmetric grids, where lq gives them no output quantizer:
+    slope ties) run in float: the export stores their dequantized weights as float, so onnxruntime neither
+    dequantizes them on every run nor misses its blocked float conv; the report still names the reader, and the
+    numbers are PyTorch fake-quant's."""
     x = torch.randn(4, 8, 12, 12)
-    model = _quantized(nn.Sequential(nn.Conv2d(8, 16, 3), nn.PReLU(16), nn.Conv2d(16, 16, 3), nn.PReLU(16),
-                                     nn.Conv2d(16, 16, 1), nn.PReLU(16), nn.Conv2d(16, 4, 1), nn.AdaptiveAvgPool2d(1),
-                                     nn.Flatten()), x)
+    model = _quantized(_prelu_net(), x, quant_desc_input=QuantDescriptor())
     res = _export(model, x, tmp_path)
     kernels = {k.layer: k for k in res.layer_kernels}
     for name in ("0", "2", "4"):
         k = kernels[name]
-        assert k.kernel == "Conv" and not k.by_choice and "PRelu" in k.reason, k
+        assert k.kernel == "Conv" and not k.by_choice and "PRelu" in k.reason and "symmetric" in k.reason, k
     assert kernels["6"].kernel == "QLinearConv"  # the pool's input quantizer reads it
     g = onnx.load(res.path).graph
     floats = [i.name for i in g.initializer if "dequantized_float" in i.name]
@@ -243,6 +248,19 @@ def test_convs_no_quantizer_reads_get_their_dequantized_weights_as_float(tmp_pat
         want = model(x).numpy()
     for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
         np.testing.assert_allclose(_run(res.path, x, level), want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_default_recipe_runs_convs_read_by_prelu_as_qlinearconv(tmp_path):
+    """int8_onnxruntime (the default) gives a conv read by PReLU an output quantizer (lq.glue._rules.SLOPED): the conv
+    runs as QLinearConv and the PReLU in float between DQ and Q, as in onnxruntime's own files; on its asymmetric
+    grids the file is verified against PyTorch like any other."""
+    x = torch.randn(4, 8, 12, 12)
+    model = _quantized(_prelu_net(), x)
+    assert all(hasattr(model[i], "_output_quantizer") for i in (0, 2, 4)) and not hasattr(model[6], "_output_quantizer")
+    res = _export(model, x, tmp_path)
+    kernels = {k.layer: k.kernel for k in res.layer_kernels}
+    assert all(kernels[name] == "QLinearConv" for name in ("0", "2", "4", "6")), kernels
+    assert res.verified
 
 
 def _run(path, x, level):
@@ -270,7 +288,9 @@ def test_float_warning_counts_the_layers_it_names_and_a_moved_pool_names_the_act
     stem, which the report explains per layer), and a conv whose max pool was moved above its activation is
     reported as read by the pool, then by the activation."""
     x = torch.randn(4, 1, 16, 16)
-    res = _export(_quantized(LeakyPoolNet(), x), x, tmp_path)
+    # pytorch-quantization's symmetric grids: c1 gets no output quantizer before its LeakyReLU; under max calibration
+    # the pool's quantizer and c2's have one grid, so the pool moves above the activation
+    res = _export(_quantized(LeakyPoolNet(), x, method="max", quant_desc_input=QuantDescriptor()), x, tmp_path)
     kernels = {k.layer: k for k in res.layer_kernels}
     assert kernels["stem"].by_choice and kernels["c2"].kernel == "QLinearConv"
     assert "pool (MaxPool), then by act (LeakyRelu), without a quantizer" in kernels["c1"].reason, kernels["c1"]

@@ -24,7 +24,7 @@ from lq.glue import _outputs
 from lq.glue._outputs import OutputSite
 from lq.glue._rewrite import CHILD, GlueQuantized, GlueQuantizer, commit, glue_class, remove
 from lq.glue._rules import (FUNCTIONS, INPUT_QUANTIZER, METHODS, TIE_THROUGH_FUNCTIONS, TIE_THROUGH_METHODS, TIE_THROUGH_MODULES,
-                            RELU_NORM, TIED_LAYERS, GlueRule)
+                            RELU_NORM, SLOPED, TIED_LAYERS, GlueRule)
 from lq.glue._sites import Site, find_sites
 from lq.glue._trace import trace
 from lq.nn.modules.tensor_quantizer import TensorQuantizer
@@ -176,7 +176,7 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
             continue
         if type(m) is nn.Sequential and selected(name):
             outputs.update((id(o.layer), o) for o in _outputs.sites_in_sequential(
-                m, name, wants, will_be_quantized, relu_norm=RELU_NORM in optional))
+                m, name, wants, will_be_quantized, relu_norm=RELU_NORM in optional, sloped=SLOPED in optional))
             continue
         if skip(m) or _is_library(m) or not selected(name):
             continue
@@ -188,7 +188,8 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
                 refused.setdefault((type(m), why), []).append(name or "the model")
             continue
         outputs.update((id(o.layer), o) for o in _outputs.sites_in_graph(m, name, graph, wants, will_be_quantized,
-                                                                          relu_norm=RELU_NORM in optional))
+                                                                          relu_norm=RELU_NORM in optional,
+                                                                          sloped=SLOPED in optional))
         sites = find_sites(graph, _tie(m, graph, will_be_quantized), m, optional)
         if sites:
             plans.append(GluePlan(name, m, graph, sites))

@@ -16,7 +16,7 @@ from torch import nn
 
 from lq.rules.onnxruntime import ort_prefers_float_conv
 from lq.glue._rules import (FLOAT_READER_FUNCTIONS, FLOAT_READER_METHODS, FLOAT_READER_MODULES, FOLDED_NORMS,
-                            OUTPUT_LAYERS, RELU_MODULES)
+                            OUTPUT_LAYERS, RELU_MODULES, SLOPED_FUNCTIONS, SLOPED_MODULES)
 
 ATTR = "_output_quantizer"
 _HOOK_ID = "_lq_output_hook"
@@ -45,16 +45,19 @@ def _never(m: nn.Module) -> bool:
     return False
 
 
-def _float_reader(m: nn.Module, quantized=_never) -> bool:
-    """A float reader module that stays float (a quantized SiLU/HardSwish quantizes its own input)."""
-    return isinstance(m, FLOAT_READER_MODULES) and not quantized(m)
+def _float_reader(m: nn.Module, quantized=_never, sloped: bool = False) -> bool:
+    """A float reader module that stays float (a quantized SiLU/HardSwish quantizes its own input); ``sloped``:
+    PReLU and LeakyReLU too (:data:`lq.glue._rules.SLOPED`)."""
+    kinds = FLOAT_READER_MODULES + (SLOPED_MODULES if sloped else ())
+    return isinstance(m, kinds) and not quantized(m)
 
 
-def _reader(node: fx.Node, parent: nn.Module, quantized=_never) -> str | None:
+def _reader(node: fx.Node, parent: nn.Module, quantized=_never, sloped: bool = False) -> str | None:
     if node.op == "call_module":
         m = parent.get_submodule(node.target)
-        return type(m).__name__ if _float_reader(m, quantized) else None
-    if node.op == "call_function" and node.target in FLOAT_READER_FUNCTIONS:
+        return type(m).__name__ if _float_reader(m, quantized, sloped) else None
+    if node.op == "call_function" and (node.target in FLOAT_READER_FUNCTIONS
+                                       or (sloped and node.target in SLOPED_FUNCTIONS)):
         return getattr(node.target, "__name__", str(node.target))
     if node.op == "call_method" and node.target in FLOAT_READER_METHODS:
         return node.target
@@ -81,9 +84,10 @@ def _relu_then_norm(node: fx.Node, parent: nn.Module) -> fx.Node | None:
 
 
 def sites_in_graph(parent: nn.Module, prefix: str, graph: fx.Graph, wants, quantized=_never,
-                   relu_norm: bool = False) -> list[OutputSite]:
+                   relu_norm: bool = False, sloped: bool = False) -> list[OutputSite]:
     """Children of ``parent`` called in ``graph`` whose output (or their BatchNorm's) a float reader takes;
-    ``relu_norm``: also a conv -> ReLU -> BatchNorm's ReLU (:data:`lq.glue._rules.RELU_NORM`)."""
+    ``relu_norm``: also a conv -> ReLU -> BatchNorm's ReLU (:data:`lq.glue._rules.RELU_NORM`); ``sloped``: PReLU and
+    LeakyReLU read as float (:data:`lq.glue._rules.SLOPED`)."""
     out = []
     for n in graph.nodes:
         if n.op != "call_module":
@@ -101,14 +105,14 @@ def sites_in_graph(parent: nn.Module, prefix: str, graph: fx.Graph, wants, quant
             continue
         norm = _folded_norm(n, parent)
         at, owner = (norm, parent.get_submodule(norm.target)) if norm is not None else (n, layer)
-        readers = [r for r in (_reader(u, parent, quantized) for u in at.users) if r]
+        readers = [r for r in (_reader(u, parent, quantized, sloped) for u in at.users) if r]
         if readers and not has_output_quantizer(owner):
             out.append(OutputSite(f"{prefix}.{at.target}" if prefix else at.target, owner, readers[0]))
     return out
 
 
 def sites_in_sequential(seq: nn.Sequential, prefix: str, wants, quantized=_never,
-                        relu_norm: bool = False) -> list[OutputSite]:
+                        relu_norm: bool = False, sloped: bool = False) -> list[OutputSite]:
     """Children ``(layer, reader)`` or ``(layer, BatchNorm, reader)`` in a row of an ``nn.Sequential``
     (torchvision's ``Conv2dNormActivation`` is one): the quantizer on the last before the reader; ``relu_norm``:
     also ``(layer, ReLU, BatchNorm)``, the quantizer on the ReLU."""
@@ -126,17 +130,18 @@ def sites_in_sequential(seq: nn.Sequential, prefix: str, wants, quantized=_never
             continue
         j = i + 1 if i + 1 < len(items) and isinstance(items[i + 1][1], FOLDED_NORMS) else i
         at_name, owner = items[j]
-        if j + 1 < len(items) and _float_reader(items[j + 1][1], quantized) and not has_output_quantizer(owner):
+        if j + 1 < len(items) and _float_reader(items[j + 1][1], quantized, sloped) \
+                and not has_output_quantizer(owner):
             out.append(OutputSite(f"{prefix}.{at_name}" if prefix else at_name, owner, type(items[j + 1][1]).__name__))
     return out
 
 
 def wants_output_quantizer(layer: nn.Module, will_be_quantized) -> bool:
-    """A quantized conv whose integer kernel onnxruntime would run; not a depthwise conv or a 1-3 channel stem,
-    which it runs faster in float (:func:`lq.rules.onnxruntime.ort_prefers_float_conv`): an output quantizer would
+    """A quantized conv whose integer kernel onnxruntime would run; not a depthwise conv or a 1-3 channel stem
+    with a small kernel, which it runs faster in float (:func:`lq.rules.onnxruntime.ort_prefers_float_conv`): an output quantizer would
     only add a Q/DQ pair there."""
     return (isinstance(layer, OUTPUT_LAYERS) and will_be_quantized(layer)
-            and not ort_prefers_float_conv(layer.in_channels // layer.groups)
+            and not ort_prefers_float_conv(layer.in_channels // layer.groups, layer.kernel_size)
             and not has_output_quantizer(layer))
 
 

@@ -21,27 +21,38 @@ MAX_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
 
 def pool_readers(model: nn.Module, graphs: dict, will_be_quantized) -> list[tuple[nn.Module, nn.Module]]:
     """``(max pool, quantized layer reading its output)`` pairs: consecutive children of an ``nn.Sequential`` (or a
-    subclass keeping its forward), and pools in a traced forward (``graphs``, by module id) whose output a quantized
-    layer reads directly or through grid-preserving ops (the glue's tie, :func:`lq.glue._tie`)."""
+    subclass keeping its forward), where the pool may end the one child and the layer begin the next inside nested
+    ``nn.Sequential`` blocks (CREPE's ``Sequential(block, block)``), and pools in a traced forward (``graphs``, by
+    module id), called directly or ending a block it calls, whose output a quantized layer reads directly or
+    through grid-preserving ops (the glue's tie, :func:`lq.glue._tie`)."""
     from lq.glue import _plain_sequential, _tie
+
+    def pool_ending(m: nn.Module):
+        while _plain_sequential(m) and len(m):
+            m = m[-1]
+        return m if isinstance(m, MAX_POOLS) and will_be_quantized(m) else None
+
+    def layer_starting(m: nn.Module):
+        while _plain_sequential(m) and len(m):
+            m = m[0]
+        return m if isinstance(m, TIED_LAYERS) and will_be_quantized(m) else None
 
     out = []
     for _, m in model.named_modules():
         if _plain_sequential(m):
             items = list(m._modules.values())
-            out += [(a, b) for a, b in zip(items, items[1:])
-                    if isinstance(a, MAX_POOLS) and isinstance(b, TIED_LAYERS)
-                    and will_be_quantized(a) and will_be_quantized(b)]
+            out += [(pool, layer) for pool, layer in ((pool_ending(a), layer_starting(b)) for a, b in zip(items, items[1:]))
+                    if pool is not None and layer is not None]
             continue
         graph = graphs.get(id(m))
         if graph is None:
             continue
         tie = _tie(m, graph, will_be_quantized)
         for n in graph.nodes:
-            if n.op != "call_module" or not isinstance(m.get_submodule(n.target), MAX_POOLS):
+            if n.op != "call_module":
                 continue
-            pool = m.get_submodule(n.target)
-            path = tie(n) if will_be_quantized(pool) else None
+            pool = pool_ending(m.get_submodule(n.target))
+            path = tie(n) if pool is not None else None
             if path:
                 out.append((pool, m.get_submodule(path[: -len(INPUT_QUANTIZER) - 1])))
     return out

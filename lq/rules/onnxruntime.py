@@ -3,6 +3,8 @@ measured thresholds where its float kernel beats its integer one."""
 
 from __future__ import annotations
 
+import math
+
 from lq.rules import OpRule
 
 RULES: tuple[OpRule, ...] = (
@@ -19,27 +21,34 @@ RULES: tuple[OpRule, ...] = (
     OpRule("relu", ("Relu",), note="fused into the producer's kernel, or an integer Max"),
     # ReLU6, Hardtanh, clamp: the bounds' codes on the integers (or nothing, when outside the grid's range)
     OpRule("clip", ("Clip",), note="the bounds' codes on the integers, or fused"),
+    # moved in front of a PReLU/LeakyReLU/BatchNorm it commutes with (lq.export.passes._pool_first), so it reads the
+    # integers of the conv before it (NhwcMaxPool) instead of the float op's requantized output (a slow NCHW pool)
     OpRule("max_pool", ("MaxPool",), note="MaxPool on uint8"),
     OpRule("data_movement", ("Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity"),
            note="on the integers"),
     # nearest by whole factors of a conv's output: an NHWC Expand instead (lq.export.passes._upsample)
     OpRule("resize", ("Resize",), note="nearest on uint8; linear does not commute"),
-    # onnxruntime has QLinearLeakyRelu, but lq gives a conv before PReLU/LeakyReLU no output quantizer: the slope
-    # times a grid value often lands half-way between two steps, and runtimes round such ties differently
-    # (lq.glue._rules); the conv runs with float weights, the activation in float
-    OpRule("prelu", ("PRelu",), note="float, and the conv before it (slope ties)"),
-    OpRule("leaky_relu", ("LeakyRelu",), note="float, and the conv before it (slope ties)"),
+    # float between Q/DQ, the conv before it integer (lq.glue._rules.SLOPED; a max pool behind it moves onto the conv's
+    # integers). pytorch-quantization's symmetric descriptors keep that conv float: slope ties (lq.glue._rules)
+    OpRule("prelu", ("PRelu",), note="float between Q/DQ"),
+    OpRule("leaky_relu", ("LeakyRelu",), note="float between Q/DQ"),
     OpRule("sigmoid", ("Sigmoid",), kernels=("QLinearSigmoid",)),  # between quantizers: a squeeze-excite gate
     OpRule("hardswish", ("HardSwish",), note="float between Q/DQ"),
 )
 
 #: onnxruntime (x86 MLAS) runs a conv with fewer input channels per group than this (a depthwise conv, an RGB
-#: or grayscale stem) slower as QLinearConv than as its float conv: measured by ``python -m bench.conv_kernels``
-#: (AVX-512 VNNI, INT8 over FP32 kernel time: depthwise 3x3 / 7x7 0.52-1.04x, 1-3 input channels 0.24-0.64x,
-#: 4 to 32 input channels 1.6-2.6x; docs/results/conv_kernels.md).
+#: or grayscale stem) slower as QLinearConv than as its float conv, unless each output sums many products (below):
+#: measured by ``python -m bench.conv_kernels`` (AVX-512 VNNI, INT8 over FP32 kernel time: depthwise 3x3 / 7x7
+#: 0.52-1.04x, 1-3 input channels with 3x3 kernels 0.24-0.64x, 4 to 32 input channels 1.6-2.6x;
+#: docs/results/conv_kernels.md).
 #: The export gives such a conv its dequantized weights as float (the same values), so onnxruntime runs the
 #: faster float kernel, and lq.glue gives it no output quantizer of its own.
 ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP = 4
+#: ... unless each output sums at least this many products (input channels per group x kernel elements): a 1-D
+#: audio stem of 512 taps on one channel (CREPE's) runs 2.9x faster as QLinearConv, 128 taps 1.3-1.5x, ResNet's
+#: 7x7 RGB stem (147) 1.0x, where 3x3 to 7x7 kernels on 1-3 channels (9 to 75) run 0.2-0.85x
+#: (``python -m bench.conv_kernels``, same CPU)
+ORT_INT8_CONV_MIN_REDUCTION = 128
 
 #: a nearest upsample (by whole factors) of a conv's quantized output is written as a channels-last Expand
 #: (:mod:`lq.export.passes._upsample`) from this many channels on: onnxruntime resizes it in NHWC with an index per
@@ -48,6 +57,7 @@ ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP = 4
 ORT_NHWC_UPSAMPLE_MIN_CHANNELS = 8
 
 
-def ort_prefers_float_conv(channels_per_group: int) -> bool:
-    """Whether onnxruntime runs a conv with this many input channels per group faster in float."""
-    return channels_per_group < ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP
+def ort_prefers_float_conv(channels_per_group: int, kernel_size=(1,)) -> bool:
+    """Whether onnxruntime runs a conv with this many input channels per group and this kernel faster in float."""
+    products = channels_per_group * math.prod(kernel_size)
+    return channels_per_group < ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP and products < ORT_INT8_CONV_MIN_REDUCTION

@@ -51,7 +51,7 @@ def float_weights_for_float_convs(g: Graph) -> list[str]:
             continue
         if _path_to_quantize(n, g, cons):
             continue
-        marker = FLOAT_BY_CHOICE if ort_prefers_float_conv(q.shape[1]) else FLOAT_WEIGHTS
+        marker = FLOAT_BY_CHOICE if ort_prefers_float_conv(q.shape[1], q.shape[2:]) else FLOAT_WEIGHTS
         if marker == FLOAT_WEIGHTS and all(k == 1 for k in q.shape[2:]):
             continue  # a 1x1 conv is one GEMM either way; the NCHWc layout would only add reorders around it
         w = dequantize(q, scale, zp, attr(dq, "axis", 1))  # what the DequantizeLinear computes

@@ -17,12 +17,13 @@ import onnx
 from lq.export._ir import Graph, as_model
 from lq.export.passes._mean_first import MEAN_FIRST
 from lq.export.passes._float_convs import FLOAT_BY_CHOICE, FLOAT_MARKERS
-from lq.rules.onnxruntime import ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP
+from lq.rules.onnxruntime import ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP, ORT_INT8_CONV_MIN_REDUCTION
 from lq.export.verify._verify import INT8_KERNELS, RUNTIME_QUANTIZED_LSTM
 
 #: the reason of a conv the export left float on purpose (:mod:`lq.export.passes._float_convs`)
 BY_CHOICE = (f"float by choice: fewer than {ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP} input channels per group "
-             "(depthwise or a 1-3 channel stem), where onnxruntime's float conv is faster than its integer one")
+             f"and fewer than {ORT_INT8_CONV_MIN_REDUCTION} products per output (depthwise or a 1-3 channel stem "
+             "with a small kernel), where onnxruntime's float conv is faster than its integer one")
 #: the reason of a 1x1 conv the export moved behind the spatial mean that read it (:mod:`lq.export.passes._mean_first`)
 ON_THE_MEAN = ("float by choice: a 1x1 conv whose output was averaged now runs on the average of its input "
                "(one pixel per image instead of the whole map: less work than any kernel, the same numbers)")
@@ -93,9 +94,10 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: 
         if any(u.op_type == "Add" for u in floats):
             hint = "quantize the add's inputs, e.g. lq.nn.QuantAdd for a residual add"
         elif floats and all(u.op_type in _SLOPED for u in floats):
-            hint = ("lq gives a conv before PReLU/LeakyReLU no output quantizer on purpose: the slope times a grid "
-                    "value often lands exactly between two steps of the next quantizer, and onnxruntime and PyTorch "
-                    "round such ties differently (lq.glue._rules)")
+            hint = ("on pytorch-quantization's symmetric grids lq gives a conv before PReLU/LeakyReLU no output "
+                    "quantizer on purpose: the slope times a grid value often lands exactly between two steps of the "
+                    "next quantizer, and onnxruntime and PyTorch round such ties differently; the int8_onnxruntime "
+                    "recipe (the default) gives it one (lq.glue._rules.SLOPED)")
         else:
             hint = f"onnxruntime runs {what} as an integer kernel only when a QuantizeLinear reads its output"
         then = f", then by {', '.join(sorted(set(behind)))}," if behind else ""
