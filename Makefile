@@ -38,10 +38,11 @@ train: setup-train
 	lq-train
 
 # two pytest-xdist workers (CI has 2 cores), one group per test file; the benches' smoke runs start with the session
-# and their tests run last (tests/_bench_runs.py). `python -m pytest -q` runs the same tests in one process.
+# and their tests run last (tests/_bench_runs.py). `python -m pytest -q` runs the same tests in one process. The 25
+# slowest are listed at the end: what to trim first when the suite nears its 15 minutes.
 TEST_WORKERS ?= 2
 test: setup
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 # the onnxruntime tests again on an emulated AVX2-only CPU (qemu's Haswell), whatever this one has (slow)
 test-avx2: setup

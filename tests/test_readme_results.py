@@ -14,7 +14,7 @@ import pytest
 from bench import ordinary as O
 
 ROOT = Path(__file__).resolve().parents[1]
-HEADER = "| model | FP32 acc | lq 8-bit weights | lq `int8_reduce_range` | ORT `quantize_static` u8s8 |"
+HEADER = "| model | FP32 acc | lq default (`int8_onnxruntime`) | lq `int8_reduce_range` | ORT `quantize_static` u8s8 |"
 NUMBER = re.compile(r"(\d+(?:\.\d+)?)")
 
 
@@ -55,13 +55,13 @@ def test_headline_table_holds_the_cited_run(doc):
         cosine = "metric" in r
         fp32 = NUMBER.search(cells[1]).group(1)
         assert _close(fp32, r["acc"]["FP32"] / 100 if cosine else r["acc"]["FP32"]), (where, cells[1])
-        for cell, name in zip(cells[2:5], (O.LQ_DEFAULT, O.LQ_REDUCE, O.ORT_QS), strict=True):
+        for cell, name in zip(cells[2:5], (O.LQ_RECIPE, O.LQ_REDUCE, O.ORT_QS), strict=True):
             _check_cell(cell, r["speedup"][name]["median"], r["acc"][name], cosine, f"{where}, {name}")
         pairs = re.findall(r"(\d+) / (\d+)", cells[5])
         k = r["kernels"]
-        want = [(k[O.LQ_DEFAULT]["integer"], k[O.LQ_DEFAULT]["layers"])]
+        want = [(k[O.LQ_RECIPE]["integer"], k[O.LQ_RECIPE]["layers"])]
         if (k[O.LQ_REDUCE]["integer"], k[O.LQ_REDUCE]["layers"]) != want[0]:
             want.append((k[O.LQ_REDUCE]["integer"], k[O.LQ_REDUCE]["layers"]))
         assert [(int(a), int(b)) for a, b in pairs] == want, (where, cells[5], k)
         by_choice = re.search(r"\(\+(\d+)\)", cells[5])
-        assert (int(by_choice.group(1)) if by_choice else 0) == k[O.LQ_DEFAULT].get("by_choice", 0), (where, cells[5])
+        assert (int(by_choice.group(1)) if by_choice else 0) == k[O.LQ_RECIPE].get("by_choice", 0), (where, cells[5])

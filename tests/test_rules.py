@@ -295,3 +295,19 @@ def test_a_broken_rule_is_caught(family, tmp_path, monkeypatch):
     _broken(family, monkeypatch)
     broken = _outcomes(family, tmp_path)
     assert any(b == "wrong numbers" or len(b) > len(i) for b, i in zip(broken, intact)), (intact, broken)
+
+
+def test_the_float_conv_rule_follows_its_measurement():
+    """``ort_prefers_float_conv`` against the measurement it cites (``python -m bench.conv_kernels``, the committed
+    docs/results/conv_kernels.json): where it picks the integer kernel, that kernel was not slower (>= 0.9x, within
+    timing noise); where it picks float, it gives up at most a modest win (<= 1.5x: the rule is conservative for 1-D
+    convs of 32-127 taps)."""
+    import json
+    from pathlib import Path
+
+    rows = json.loads((Path(__file__).resolve().parents[1] / "docs/results/conv_kernels.json").read_text())["rows"]
+    assert len(rows) >= 10
+    for r in rows:
+        cpg, products = r["channels_per_group"], r["products"]
+        float_chosen = ort_rules.ort_prefers_float_conv(cpg, (products // cpg,))
+        assert (r["speedup"] <= 1.5) if float_chosen else (r["speedup"] >= 0.9), r

@@ -38,16 +38,16 @@ RULES: tuple[OpRule, ...] = (
 
 #: onnxruntime (x86 MLAS) runs a conv with fewer input channels per group than this (a depthwise conv, an RGB
 #: or grayscale stem) slower as QLinearConv than as its float conv, unless each output sums many products (below):
-#: measured by ``python -m bench.conv_kernels`` (AVX-512 VNNI, INT8 over FP32 kernel time: depthwise 3x3 / 7x7
-#: 0.52-1.04x, 1-3 input channels with 3x3 kernels 0.24-0.64x, 4 to 32 input channels 1.6-2.6x;
-#: docs/results/conv_kernels.md).
+#: measured by ``python -m bench.conv_kernels`` (docs/results/conv_kernels.md, AVX-512 VNNI, batch 32, INT8 over
+#: FP32 kernel time: depthwise 3x3 / 7x7 0.50-0.95x, 1-3 input channels with 3x3 or 5x5 kernels 0.15-0.80x, 4 to
+#: 32 input channels 1.06-2.26x).
 #: The export gives such a conv its dequantized weights as float (the same values), so onnxruntime runs the
 #: faster float kernel, and lq.glue gives it no output quantizer of its own.
 ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP = 4
-#: ... unless each output sums at least this many products (input channels per group x kernel elements): a 1-D
-#: audio stem of 512 taps on one channel (CREPE's) runs 2.9x faster as QLinearConv, 128 taps 1.3-1.5x, ResNet's
-#: 7x7 RGB stem (147) 1.0x, where 3x3 to 7x7 kernels on 1-3 channels (9 to 75) run 0.2-0.85x
-#: (``python -m bench.conv_kernels``, same CPU)
+#: ... unless each output sums at least this many products (input channels per group x kernel elements), where the
+#: integer kernel wins again: ResNet's 7x7 RGB stem (147 products) 1.07x, a 1-D stem of 128 taps on one channel
+#: 2.71x, CREPE's 512 taps 2.44x (same run). Conservative for 1-D convs: 32 taps on one channel already ran 1.42x
+#: there, where 2-D kernels of 27 to 75 products run 0.39-0.80x.
 ORT_INT8_CONV_MIN_REDUCTION = 128
 
 #: a nearest upsample (by whole factors) of a conv's quantized output is written as a channels-last Expand
