@@ -12,7 +12,8 @@ attention_mask -> mean-pooled, L2-normalized embedding``; batch and sequence len
 * lq PTQ: ``int4_block_weight`` (4-bit, blocks of 32 along the input features), calibrated on the Lee background
   news documents with ``CalibConfig.block_method`` = ``max`` (round-to-nearest), ``mse`` and ``awq``, and AWQ with
   ``keep_muls=False`` (activation scales only where ``1 / s`` folds into the op before: no Mul before any
-  MatMulNBits), exported by ``export_onnx`` (MatMulNBits, verified against the fake-quant model);
+  MatMulNBits), and ``gptq`` (that, then GPTQ's error-compensating rounding), exported by ``export_onnx``
+  (MatMulNBits, verified against the fake-quant model);
 * lq QAT: ``QuantCallback(quant="int4_block_weight", calib=awq, qat=QATConfig(distill_weight=...))`` fine-tuned
   on those documents (no labels: the loss is the cosine distance to the FP32 embedding, plus the callback's
   distillation term), then exported the same way.
@@ -40,9 +41,11 @@ from bench import _report as R
 from bench import minilm as M
 
 SHAPES = ((1, 1), (1, 16), (1, 128), (8, 128))
-#: lq's block methods; "awq-folded": AWQ scaling only where 1 / s folds into the op before (no Mul in the file)
-LQ_METHODS = ("max", "mse", "awq", "awq-folded")
-LQ_NAMES = {"max": "lq PTQ RTN", "mse": "lq PTQ MSE", "awq": "lq PTQ AWQ", "awq-folded": "lq PTQ AWQ, folded only"}
+#: lq's block methods; "awq-folded": AWQ scaling only where 1 / s folds into the op before (no Mul in the file);
+#: "gptq": that, then GPTQ's error-compensating rounding (CalibConfig(block_method="gptq"))
+LQ_METHODS = ("max", "mse", "awq", "awq-folded", "gptq")
+LQ_NAMES = {"max": "lq PTQ RTN", "mse": "lq PTQ MSE", "awq": "lq PTQ AWQ", "awq-folded": "lq PTQ AWQ, folded only",
+            "gptq": "lq PTQ GPTQ (AWQ folded only)"}
 ORT_ALGOS = ("rtn", "hqq", "gptq")
 BLOCK = 32
 
@@ -237,7 +240,7 @@ def _run(args, out: Path, cmd: str, t0: float, work: Path) -> int:
         else:
             paths[name] = work / f"ort_{algo}.onnx"
     chosen: dict[str, list] = {}
-    for method in LQ_METHODS if not fast else ("awq", "awq-folded"):
+    for method in LQ_METHODS if not fast else ("awq", "gptq"):
         name = LQ_NAMES[method]
         emb, choices = lq_ptq(model, calib, method)
         res = export_lq(emb, sample, work / f"lq_{method}.onnx", fast)

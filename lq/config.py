@@ -26,7 +26,7 @@ FORMATS = ("int", "fp8_e4m3")
 BLOCK_TYPES = ("static", "dynamic")
 CALIB_METHODS = ("auto", "max", "entropy", "percentile", "mse")
 CALIB_DATALOADERS = ("train", "val")
-BLOCK_METHODS = ("max", "mse", "awq")
+BLOCK_METHODS = ("max", "mse", "awq", "gptq")
 LR_POLICIES = ("none", "cosine")
 EXPORTERS = ("dynamo", "legacy")
 EXPORT_TARGETS = ("onnxruntime", "tensorrt")
@@ -331,8 +331,10 @@ class CalibConfig:
             error over the calibration batches, one alpha for Linears reading one input; MSE blocks). The inverse
             goes into the LayerNorm before (when only those Linears read it) or into the output rows of the Linear
             whose output reaches the layer through reshapes and attention (V for the attention output), else it
-            stays one Mul before the layer(s). Both are in the model, so the exported file computes the same
-            (lq/calib/_block_search.py, lq/calib/_awq_fold.py).
+            stays one Mul before the layer(s); or ``gptq``: AWQ's scaling only where it folds (no Mul: the file
+            runs at round-to-nearest's speed), then GPTQ's error-compensating rounding on the chosen grids. All
+            are in the model, so the exported file computes the same (lq/calib/_block_search.py,
+            lq/calib/_awq_fold.py).
     """
 
     enabled: bool = True

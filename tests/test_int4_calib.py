@@ -53,7 +53,7 @@ def _float_twin(m):
     return f
 
 
-@pytest.mark.parametrize("method", ["mse", "awq"])
+@pytest.mark.parametrize("method", ["mse", "awq", "gptq"])
 def test_search_is_never_worse_than_round_to_nearest(method):
     m = _model()
     calib = [_loud_inputs(256, seed=s) for s in range(2)]
@@ -61,7 +61,11 @@ def test_search_is_never_worse_than_round_to_nearest(method):
     float_model = _float_twin(m)
     rtn_out = _errors(m, calib[0], float_model)
     weights = {name: layer.weight.detach().clone() for name, layer in block_layers(m)}
-    choices = search_block_scales(m, method, calib)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        choices = search_block_scales(m, method, calib)
     assert len(choices) == 2
     for c in choices:
         assert c.error <= c.rtn_error, c
@@ -70,6 +74,12 @@ def test_search_is_never_worse_than_round_to_nearest(method):
         for c in choices:
             assert c.error < c.rtn_error
         assert all(torch.equal(weights[n], layer.weight) for n, layer in block_layers(m))
+    elif method == "gptq":  # no op before either Linear takes 1 / s (the input, a GELU): clipping and rounding alone
+        assert all(c.alpha == 0 and c.folded == "" for c in choices), choices
+        # 512 calibration rows: enough for the first Linear's 128 input features, not for the second one's 192
+        # (GPTQ_MIN_ROWS_PER_FEATURE), which keeps round-to-nearest on its grid and is named in a warning
+        assert [c.gptq for c in choices] == [True, False], choices
+        assert [str(w.message) for w in caught if "block_method='gptq'" in str(w.message) and "(2)" in str(w.message)]
     else:  # the outlier channels make the activation scaling worth it, and it beats the weight-only search
         assert any(c.alpha > 0 for c in choices)
         mse = _rtn()
@@ -109,11 +119,86 @@ def test_awq_model_exports_exactly_with_its_scales_before_matmul_nbits(tmp_path,
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _gptq_reference(w: torch.Tensor, amax: torch.Tensor, h: torch.Tensor, tq, block: int) -> torch.Tensor:
+    """GPTQ written the slow way, from its definition (Optimal Brain Quantization, one column at a time): round
+    column j, spread its error over the columns not yet rounded with the inverse Hessian of those columns,
+    ``w[:, j+1:] -= e * Hinv[j, j+1:] / Hinv[j, j]``, then drop column j from the inverse (Gauss elimination), with
+    the damping of lq's kernel."""
+    from lq.calib._block_search import GPTQ_DAMP, _fake_quant
+
+    h = h.double().clone()
+    h.diagonal().add_(GPTQ_DAMP * float(h.diagonal().mean()) + 1e-12)
+    hinv = torch.linalg.inv(h)
+    w = w.double().clone()
+    q = torch.empty_like(w)
+    n, k = w.shape
+    for j in range(k):
+        qc = _fake_quant(w[:, j].float().reshape(n, 1, 1).contiguous(), amax[:, j // block].reshape(n, 1), tq)
+        q[:, j] = qc.reshape(n).double()
+        e = (w[:, j] - q[:, j]) / hinv[j, j]
+        w[:, j + 1:] -= e.unsqueeze(1) * hinv[j, j + 1:].unsqueeze(0)
+        hinv = hinv - torch.outer(hinv[:, j], hinv[j, :]) / hinv[j, j]
+    return q.float()
+
+
+def test_gptq_rounding_equals_its_definition_and_beats_nearest_on_the_outputs():
+    """lq's GPTQ (Cholesky form, columns rounded in groups) gives the codes of the one-column-at-a-time definition,
+    every value a level of its block's grid, and a smaller output error ``trace(dW H dW^T)`` than rounding to
+    nearest on the same grid."""
+    from lq.calib._block_search import _fake_quant, gptq_round
+
+    m = _model()
+    tq, block = m[0]._weight_quantizer, 32
+    g = torch.Generator().manual_seed(1)  # correlated input channels (a few directions), as hidden states are
+    x = torch.randn(512, 16, generator=g) @ torch.randn(16, 128, generator=g) + 0.1 * torch.randn(512, 128, generator=g)
+    h = (x.T @ x / len(x)).float()
+    w = m[0].weight.detach().float()
+    amax = w.reshape(w.shape[0], -1, block).abs().amax(-1)
+    got = gptq_round(w, amax, h, tq, block)
+    want = _gptq_reference(w, amax, h, tq, block)
+    steps = (amax / 7).repeat_interleave(block, dim=1)  # one level of each weight's block
+    assert ((got - want).abs() <= 1e-3 * steps).float().mean() >= 0.995  # float order may flip a rare tie
+    assert torch.equal(_fake_quant(got.reshape(w.shape[0], -1, block), amax, tq).reshape(w.shape), got)
+    nearest = _fake_quant(w.reshape(w.shape[0], -1, block), amax, tq).reshape(w.shape)
+
+    def output_error(q):
+        d = (q - w).double()
+        return float(((d @ h.double()) * d).sum())
+
+    assert output_error(got) < 0.8 * output_error(nearest), (output_error(got), output_error(nearest))
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_gptq_model_exports_exactly_with_no_mul_before_matmul_nbits(tmp_path, dynamo):
+    """``block_method="gptq"``: the rounded weights are the model's, so the file holds the same codes and equals the
+    fake-quant model; no activation scale stays behind as a Mul (only where 1 / s folds)."""
+    import onnxruntime as ort
+
+    m = _model()
+    calib = [_loud_inputs(256, seed=s) for s in range(2)]
+    calibrate_model(m, calib)
+    search_block_scales(m, "gptq", calib)
+    x = _loud_inputs(6, seed=3).reshape(2, 3, 128)
+    res = export_onnx(m, x, str(tmp_path / "gptq.onnx"), opset=21, dynamo=dynamo, dynamic_dims=(1,),
+                      check_fusion=False)
+    assert res.verified
+    nodes = onnx.load(res.path).graph.node
+    ops = [n.op_type for n in nodes]
+    assert ops.count("MatMulNBits") == 2 and "DequantizeLinear" not in ops, ops
+    made = {o: n.op_type for n in nodes for o in n.output}
+    assert all(made.get(n.input[0]) != "Mul" for n in nodes if n.op_type == "MatMulNBits"), ops
+    x2 = _loud_inputs(40, seed=4).reshape(2, 20, 128)
+    with torch.no_grad():
+        want = m(x2).numpy()
+    got = ort.InferenceSession(res.path, providers=["CPUExecutionProvider"]).run(None, {"input": x2.numpy()})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_block_method_is_a_calib_config_field_the_callback_uses():
     from lq.callbacks.calibrate import QuantCalibrate
 
-    with pytest.raises(ValueError, match=r"block_method='gptq'.*\['max', 'mse', 'awq'\]"):
-        CalibConfig(block_method="gptq")
+    with pytest.raises(ValueError, match=r"block_method='hqq'.*\['max', 'mse', 'awq', 'gptq'\]"):
+        CalibConfig(block_method="hqq")
     m = _model()
     loader = [(_loud_inputs(64, seed=s), torch.zeros(64)) for s in range(2)]
     cb = QuantCalibrate(CalibConfig(method="max", block_method="awq", num_batches=2))
