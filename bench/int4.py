@@ -297,8 +297,9 @@ def markdown(res: dict) -> str:
     parts = [
         "# INT4 weights on all-MiniLM-L6-v2 (onnxruntime)", "",
         f"CPU: {info['cpu']}, {info['isa']}; onnxruntime {_ort_version()}, 1 intra-op thread for latency. "
-        "Not quiet: other engineers' jobs share the machine's 2 cores (every file is timed in turn within each "
-        "round, so the ratios hold better than the absolute times).", "",
+        f"1-minute load average when the run ended {str(info.get('load_average', '?')).split()[0]} on "
+        f"{info.get('cores', '?')} cores (about 1 is this bench alone); every file is timed in turn within each round, "
+        "so the ratios hold better than the absolute times.", "",
         R.machine_markdown(info, res["command"], res["seconds"]), "",
         "## Quality (embeddings from the files, against the FP32 file)", "", R.table(head, rows), "",
         "## Latency (median per run; speed ratio vs FP32, and vs onnxruntime's RTN file, per round)", "",
