@@ -346,7 +346,9 @@ def _ddp_worker(rank, world, port, out_dir, empty_rank=-1, method="entropy"):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("method", ["max", "entropy", "percentile", "mse"])
+# max reduces amax across ranks, entropy the histograms (percentile and mse read the same reduced histogram, and
+# their single-process amax is tested in tests/test_calib.py: two more 2-process runs added ~45 s to the suite)
+@pytest.mark.parametrize("method", ["max", "entropy"])
 def test_ddp_two_processes_agree_on_global_amax(tmp_path, method):
     torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path), -1, method), nprocs=2, join=True)
     a0 = torch.load(tmp_path / "amax0.pt")

@@ -147,6 +147,25 @@ def _tie(parent: nn.Module, graph: fx.Graph, will_be_quantized):
     return tie
 
 
+def traced_calls(model: nn.Module, graphs: dict, will_be_quantized):
+    """``(parent, call node, called module, tie)`` for every child that a traced forward (``graphs``, by module id)
+    calls; ``tie`` is :func:`_tie` of that forward. Plain ``nn.Sequential`` parents are left out: their children
+    are paired by position."""
+    for _, parent in model.named_modules():
+        graph = graphs.get(id(parent))
+        if graph is None or _plain_sequential(parent):
+            continue
+        tie = _tie(parent, graph, will_be_quantized)
+        for n in graph.nodes:
+            if n.op == "call_module":
+                yield parent, n, parent.get_submodule(n.target), tie
+
+
+def tied_layer(parent: nn.Module, path: str) -> nn.Module:
+    """The layer whose input quantizer ``path`` (a :func:`_tie` result, relative to ``parent``) names."""
+    return parent.get_submodule(path[: -len(INPUT_QUANTIZER) - 1])
+
+
 def unsigned_inputs(model: nn.Module, graphs: dict, plans: list[GluePlan], will_be_quantized) -> set[str]:
     """Paths of the input quantizers (layers' and glue's) that only ever see values >= 0 (after a ReLU):
     :mod:`lq.glue._nonneg`. Run on the traced graphs before :meth:`GluePlan.build` changes them."""

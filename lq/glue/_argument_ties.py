@@ -22,27 +22,18 @@ def argument_readers(model: nn.Module, graphs: dict, plans: list, will_be_quanti
     """``(plan, quantizer name, layer)``: a glue quantizer of ``plan`` (a child's forward) whose operand is one of
     the child's arguments, and the caller's quantized layer that reads the same tensor (directly or through
     grid-preserving ops). ``graphs``: the traced forwards by module id, as :func:`lq.glue.plan` fills them."""
-    from lq.glue import _tie
+    from lq.glue import tied_layer, traced_calls
 
     by_module = {id(p.module): p for p in plans}
     out = []
-    for _, parent in model.named_modules():
-        graph = graphs.get(id(parent))
-        if graph is None:
+    for parent, n, child, tie in traced_calls(model, graphs, will_be_quantized):
+        plan = by_module.get(id(child))
+        if plan is None:
             continue
-        tie = _tie(parent, graph, will_be_quantized)
-        for n in graph.nodes:
-            if n.op != "call_module":
-                continue
-            plan = by_module.get(id(parent.get_submodule(n.target)))
-            if plan is None:
-                continue
-            for ph, arg in _arguments(plan.graph, n):
-                path = tie(arg)
-                if path is None:
-                    continue
-                layer = parent.get_submodule(path[: -len(INPUT_QUANTIZER) - 1])
-                out += [(plan, name, layer) for name in _operand_quantizers(plan, ph)]
+        for ph, arg in _arguments(plan.graph, n):
+            path = tie(arg)
+            if path is not None:
+                out += [(plan, name, tied_layer(parent, path)) for name in _operand_quantizers(plan, ph)]
     return out
 
 

@@ -25,7 +25,7 @@ def pool_readers(model: nn.Module, graphs: dict, will_be_quantized) -> list[tupl
     ``nn.Sequential`` blocks (CREPE's ``Sequential(block, block)``), and pools in a traced forward (``graphs``, by
     module id), called directly or ending a block it calls, whose output a quantized layer reads directly or
     through grid-preserving ops (the glue's tie, :func:`lq.glue._tie`)."""
-    from lq.glue import _plain_sequential, _tie
+    from lq.glue import _plain_sequential, tied_layer, traced_calls
 
     def pool_ending(m: nn.Module):
         while _plain_sequential(m) and len(m):
@@ -43,18 +43,11 @@ def pool_readers(model: nn.Module, graphs: dict, will_be_quantized) -> list[tupl
             items = list(m._modules.values())
             out += [(pool, layer) for pool, layer in ((pool_ending(a), layer_starting(b)) for a, b in zip(items, items[1:]))
                     if pool is not None and layer is not None]
-            continue
-        graph = graphs.get(id(m))
-        if graph is None:
-            continue
-        tie = _tie(m, graph, will_be_quantized)
-        for n in graph.nodes:
-            if n.op != "call_module":
-                continue
-            pool = pool_ending(m.get_submodule(n.target))
-            path = tie(n) if pool is not None else None
-            if path:
-                out.append((pool, m.get_submodule(path[: -len(INPUT_QUANTIZER) - 1])))
+    for parent, n, child, tie in traced_calls(model, graphs, will_be_quantized):
+        pool = pool_ending(child)
+        path = tie(n) if pool is not None else None
+        if path:
+            out.append((pool, tied_layer(parent, path)))
     return out
 
 
