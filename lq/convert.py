@@ -638,6 +638,10 @@ def quantize_model(
             for _, q in t.new.iter_quantizers():
                 q.to(device)
 
+    def converted(m: nn.Module) -> nn.Module:
+        """The quantized module that replaces ``m`` (``m`` itself when it is not swapped)."""
+        return targets[id(m)].new if id(m) in targets else m
+
     def glue_desc(path: str):
         d = qi_all
         for pattern, descs in rules:
@@ -648,7 +652,7 @@ def quantize_model(
 
     for p in glue_plans:
         try:
-            p.build(glue_desc, lambda m: targets[id(m)].new if id(m) in targets else m)
+            p.build(glue_desc, converted)
         except DescriptorTypeError:
             raise
         except Exception as e:  # noqa: BLE001 - a module whose rewrite fails keeps its glue float
@@ -671,11 +675,11 @@ def quantize_model(
             parent._modules[attr] = t.new
         layers[t.row] = LayerSummary.of(t.name, t.new, "quantized")
     if pool_pairs:
-        _pool_grid.share(pool_pairs, lambda m: targets[id(m)].new if id(m) in targets else m)
+        _pool_grid.share(pool_pairs, converted)
     if argument_pairs:
-        _argument_ties.share(argument_pairs, lambda m: targets[id(m)].new if id(m) in targets else m)
+        _argument_ties.share(argument_pairs, converted)
     for o, q in zip(glue_outputs, output_quantizers, strict=True):
-        layer = targets[id(o.layer)].new if id(o.layer) in targets else o.layer
+        layer = converted(o.layer)
         _glue._outputs.commit(o, layer, q)
         layers.append(LayerSummary.of_glue(o.path, f"output -> {o.reader}", [q], "quantized"))
     for p in glue_plans:

@@ -97,28 +97,6 @@ def _rtn():
     return m
 
 
-@pytest.mark.parametrize("dynamo", [True, False])
-def test_awq_model_exports_exactly_with_its_scales_before_matmul_nbits(tmp_path, dynamo):
-    m = _model()
-    calib = [_loud_inputs(256, seed=s) for s in range(2)]
-    calibrate_model(m, calib)
-    search_block_scales(m, "awq", calib)
-    x = _loud_inputs(6, seed=3).reshape(2, 3, 128)
-    res = export_onnx(m, x, str(tmp_path / "awq.onnx"), opset=21, dynamo=dynamo, dynamic_dims=(1,),
-                      check_fusion=False)
-    assert res.verified
-    g = onnx.load(res.path).graph
-    ops = [n.op_type for n in g.node]
-    assert ops.count("MatMulNBits") == 2 and "MatMul" not in ops and "DequantizeLinear" not in ops, ops
-    import onnxruntime as ort
-
-    x2 = _loud_inputs(40, seed=4).reshape(2, 20, 128)
-    with torch.no_grad():
-        want = m(x2).numpy()
-    got = ort.InferenceSession(res.path, providers=["CPUExecutionProvider"]).run(None, {"input": x2.numpy()})[0]
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
 def _gptq_reference(w: torch.Tensor, amax: torch.Tensor, h: torch.Tensor, tq, block: int) -> torch.Tensor:
     """GPTQ written the slow way, from its definition (Optimal Brain Quantization, one column at a time): round
     column j, spread its error over the columns not yet rounded with the inverse Hessian of those columns,
@@ -169,24 +147,27 @@ def test_gptq_rounding_equals_its_definition_and_beats_nearest_on_the_outputs():
 
 
 @pytest.mark.parametrize("dynamo", [True, False])
-def test_gptq_model_exports_exactly_with_no_mul_before_matmul_nbits(tmp_path, dynamo):
-    """``block_method="gptq"``: the rounded weights are the model's, so the file holds the same codes and equals the
-    fake-quant model; no activation scale stays behind as a Mul (only where 1 / s folds)."""
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_searched_model_exports_exactly_to_matmul_nbits(tmp_path, method, dynamo):
+    """The searched weights, amax and scales are the model's, so the file holds the same codes and equals the
+    fake-quant model. ``awq``: its ``1 / s`` as a Mul before MatMulNBits where it folds nowhere; ``gptq``: no
+    activation scale stays behind as a Mul (only where 1 / s folds)."""
     import onnxruntime as ort
 
     m = _model()
     calib = [_loud_inputs(256, seed=s) for s in range(2)]
     calibrate_model(m, calib)
-    search_block_scales(m, "gptq", calib)
+    search_block_scales(m, method, calib)
     x = _loud_inputs(6, seed=3).reshape(2, 3, 128)
-    res = export_onnx(m, x, str(tmp_path / "gptq.onnx"), opset=21, dynamo=dynamo, dynamic_dims=(1,),
+    res = export_onnx(m, x, str(tmp_path / f"{method}.onnx"), opset=21, dynamo=dynamo, dynamic_dims=(1,),
                       check_fusion=False)
     assert res.verified
     nodes = onnx.load(res.path).graph.node
     ops = [n.op_type for n in nodes]
-    assert ops.count("MatMulNBits") == 2 and "DequantizeLinear" not in ops, ops
-    made = {o: n.op_type for n in nodes for o in n.output}
-    assert all(made.get(n.input[0]) != "Mul" for n in nodes if n.op_type == "MatMulNBits"), ops
+    assert ops.count("MatMulNBits") == 2 and "MatMul" not in ops and "DequantizeLinear" not in ops, ops
+    if method == "gptq":
+        made = {o: n.op_type for n in nodes for o in n.output}
+        assert all(made.get(n.input[0]) != "Mul" for n in nodes if n.op_type == "MatMulNBits"), ops
     x2 = _loud_inputs(40, seed=4).reshape(2, 20, 128)
     with torch.no_grad():
         want = m(x2).numpy()

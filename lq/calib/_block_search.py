@@ -178,6 +178,10 @@ def gptq_round(w: torch.Tensor, amax: torch.Tensor, h: torch.Tensor, tq, block: 
     return q
 
 
+def _enough_rows_for_gptq(st: "_Rows", features: int) -> bool:
+    return st.count >= GPTQ_MIN_ROWS_PER_FEATURE * features
+
+
 def search_awq(model: nn.Module, batches: Iterable, forward: Callable[[nn.Module, Any], Any],
                num_batches: int | None = None, fold: bool = True, keep_muls: bool = True,
                gptq: bool = False) -> list[BlockChoice]:
@@ -228,7 +232,7 @@ def search_awq(model: nn.Module, batches: Iterable, forward: Callable[[nn.Module
                                    "use block_method='mse' (no data needed)")
         alphas = ALPHAS if scalable is None or group[0] in scalable else (0.0,)
         out += _awq_group(group, [mods[n] for n in group], stats[group[0]], alphas, gptq)
-    few = [n for n in stats if gptq and stats[n].count < GPTQ_MIN_ROWS_PER_FEATURE * mods[n].weight.shape[1]]
+    few = [n for n in stats if gptq and not _enough_rows_for_gptq(stats[n], mods[n].weight.shape[1])]
     if few:
         import warnings
 
@@ -297,7 +301,7 @@ def _awq_group(names: list[str], ms: list[nn.Module], st: _Rows, alphas=ALPHAS, 
                 best = (err, alpha, s, ws, amax)
     err, alpha, s, ws, amax = best
     rounded_by_gptq = False
-    if gptq and st.count >= GPTQ_MIN_ROWS_PER_FEATURE * k:  # the scaled input x / s has moments H / (s s^T)
+    if gptq and _enough_rows_for_gptq(st, k):  # the scaled input x / s has second moments H / (s s^T)
         rounded = gptq_round(ws, amax, h / torch.outer(s, s), tq, block)
         d = rounded / s - w
         rounded_err = float(((d @ h) * d).sum()) / n

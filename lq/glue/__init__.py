@@ -66,8 +66,7 @@ class GluePlan:
             for i, path in list(s.tied.items()):
                 if path.startswith(CHILD + "."):
                     continue  # tied to another site's quantizer of this forward (a pool's): made below
-                q = getattr(swapped(self.module.get_submodule(path.rsplit(".", 1)[0])), INPUT_QUANTIZER, None)
-                if not (isinstance(q, TensorQuantizer) and q.axis is None and q.is_enabled):
+                if shared_input_quantizer(swapped(self.module.get_submodule(path.rsplit(".", 1)[0]))) is None:
                     del s.tied[i]
         self.quantizers = nn.ModuleDict({q: GlueQuantizer(desc_for(self.path(q)))
                                          for s in self.sites for q in s.quantizer_names()})
@@ -145,6 +144,13 @@ def _tie(parent: nn.Module, graph: fx.Graph, will_be_quantized):
         return None
 
     return tie
+
+
+def shared_input_quantizer(layer: nn.Module):
+    """``layer``'s input quantizer where another use of the same tensor may share it (per tensor and enabled: the
+    file then holds one QuantizeLinear for the tensor), else None."""
+    q = getattr(layer, INPUT_QUANTIZER, None)
+    return q if isinstance(q, TensorQuantizer) and q.axis is None and q.is_enabled else None
 
 
 def traced_calls(model: nn.Module, graphs: dict, will_be_quantized):

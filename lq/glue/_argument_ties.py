@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch import nn
 
-from lq.glue._rules import INPUT_QUANTIZER, JOIN_KINDS
+from lq.glue._rules import JOIN_KINDS
 
 
 def argument_readers(model: nn.Module, graphs: dict, plans: list, will_be_quantized) -> list[tuple]:
@@ -60,13 +60,14 @@ def _operand_quantizers(plan, ph: fx.Node) -> list[str]:
 
 
 def share(pairs: list[tuple], converted) -> None:
-    """Give each listed glue quantizer the caller's layer input quantizer, where that one quantizes per tensor and
-    is enabled (as a tie within one forward requires); ``converted(m)``: the quantized module replacing ``m``."""
-    from lq.nn.modules.tensor_quantizer import TensorQuantizer
+    """Give each listed glue quantizer the caller's layer input quantizer, where that one may be shared (as a tie
+    within one forward requires: :func:`lq.glue.shared_input_quantizer`); ``converted(m)``: the quantized module
+    replacing ``m``."""
+    from lq.glue import shared_input_quantizer
 
     for plan, name, layer in pairs:
-        q = getattr(converted(layer), INPUT_QUANTIZER, None)
         if plan.quantizers is None or name not in plan.quantizers:
             continue  # the plan was dropped (its rewrite failed) or excluded
-        if isinstance(q, TensorQuantizer) and q.axis is None and q.is_enabled:
+        q = shared_input_quantizer(converted(layer))
+        if q is not None:
             plan.quantizers[name] = q
