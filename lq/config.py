@@ -150,9 +150,10 @@ class QuantConfig:
         unsigned_after_relu: 8-bit input quantizers that only see a ReLU's output use the unsigned grid
             ``[0, 255]`` (twice the steps; onnxruntime drops the ReLU). onnxruntime only (TensorRT takes
             int8): on in :class:`Int8ReduceRangeConfig`.
-        activations: also quantize ``nn.SiLU`` and ``nn.Hardswish`` as ``x * gate(x)`` with ``x`` and the gate
-            quantized (:mod:`lq.nn.modules.quant_activation`): onnxruntime then runs QLinearSigmoid/QLinearMul
-            instead of a float activation between a DequantizeLinear and a QuantizeLinear; a conv -> ReLU ->
+        activations: also quantize the input of ``nn.SiLU`` and ``nn.Hardswish`` (:mod:`lq.nn.modules.quant_activation`),
+            so the conv before them runs integer and they run as one float kernel between Q/DQ (SiLU as
+            onnxruntime's QuickGelu; not after a 1-3 channel stem that runs in float); ``x * gate`` of two
+            activations (squeeze-excite) as QLinearSigmoid/QLinearMul; a conv -> ReLU ->
             BatchNorm gets its output quantizer on the ReLU (the conv runs integer with the ReLU fused); and a conv
             read by PReLU/LeakyReLU gets one too (the activation runs in float between Q/DQ).
         recurrent: how ``nn.LSTM`` layers quantize their activations: ``"scan"`` (their input quantizers,
@@ -262,7 +263,8 @@ class Int8OnnxruntimeConfig(QuantConfig):
     Activations: one scale and zero point per tensor from calibration (the data's min and max, each clipped by
     the method's amax), all 256 levels, stored as uint8: what onnxruntime's ``quantize_static`` writes, so the
     file needs no clamping op (a ReLU's output gets zero point 0 and the ReLU fuses away); SiLU and HardSwish
-    quantize their gate too (``activations``), so their products run as QLinearMul. Weights: symmetric
+    quantize their input (``activations``): the conv before them runs integer, they run as one float kernel
+    between Q/DQ, and squeeze-excite products as QLinearMul. Weights: symmetric
     7-bit per output channel (``|q| <= 63``): every u8 x s8 pair fits the int16 that the kernels of CPUs without
     VNNI add in, so one file is exact on every x86 CPU. LSTMs as onnxruntime's ``DynamicQuantizeLSTM``.
     """

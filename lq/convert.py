@@ -470,7 +470,8 @@ def quantize_model(
         activations: also quantize ``x * y`` of two activations in the modules' forwards (a squeeze-excite
             gate, a SiLU written out) like an add, so onnxruntime runs QLinearMul/QLinearSigmoid; part of
             :class:`lq.config.Int8OnnxruntimeConfig` (``QuantConfig.activations``, which also swaps
-            ``nn.SiLU``/``nn.Hardswish`` through ``type_map``).
+            ``nn.SiLU``/``nn.Hardswish`` through ``type_map`` for their input-quantized versions; one that reads
+            a 1-3 channel stem onnxruntime runs in float stays float).
 
     Returns:
         a :class:`QuantizationSummary` of the converted, already quantized and excluded layers.
@@ -570,10 +571,13 @@ def quantize_model(
 
         graphs: dict = {}
         will_be_quantized = lambda m: isinstance(m, QuantMixin) or id(m) in targets  # noqa: E731
-        glue_plans, glue_outputs, glue_already, glue_notes = _glue.plan(
+        glue_plans, glue_outputs, glue_already, glue_notes, stem_activations = _glue.plan(
             model, selected=lambda n: _matches(n, include) and not _matches(n, exclude),
             skip=will_be_quantized, will_be_quantized=will_be_quantized, graphs=graphs,
             optional=frozenset({"mul", "relu_norm", "sloped"}) if activations else frozenset())
+        for a in stem_activations:  # float, reading a float stem (lq.glue._outputs.float_stem)
+            t = targets.pop(id(a))
+            layers[t.row] = LayerSummary.of(t.name, a, "float: reads a stem conv that onnxruntime runs faster in float")
         if glue and activations:  # a max pool and its reader on one grid (lq.glue._pool_grid)
             pool_pairs = _pool_grid.pool_readers(model, graphs, will_be_quantized)
         if not glue:

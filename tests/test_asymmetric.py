@@ -250,20 +250,21 @@ class SiLUNet(nn.Module):
         return self.head(self.act2(self.bn2(self.conv2(h)))).mean((2, 3))
 
 
-def test_gated_activations_quantize_input_and_gate_like_a_hand_written_reference():
+def test_silu_and_hardswish_quantize_their_input_like_a_hand_written_reference():
     from lq.nn.modules.quant_activation import QuantHardswish, QuantSiLU
     from lq.tensor_quant import fake_tensor_quant
 
     torch.manual_seed(0)
     x = torch.randn(256) * 3
-    for cls, gate in ((QuantSiLU, torch.sigmoid), (QuantHardswish, nn.functional.hardsigmoid)):
+    for cls, act in ((QuantSiLU, nn.functional.silu), (QuantHardswish, nn.functional.hardswish)):
         m = cls.from_float(cls._float_module(), quant_desc_input=QuantDescriptor(amax=4.0))
-        m._gate_quantizer.amax = 1.0
-        xq = fake_tensor_quant(x, torch.tensor(4.0), 8, False, False)
-        want = xq * fake_tensor_quant(gate(xq), torch.tensor(1.0), 8, True, False)  # the gate on [0, 255]
+        want = act(fake_tensor_quant(x, torch.tensor(4.0), 8, False, False))  # the activation in float
         with torch.no_grad():
             torch.testing.assert_close(m(x), want, rtol=0, atol=0)
         assert type(m.to_float()) is cls._float_module
+        # a checkpoint of the version that also quantized the gate loads (the gate's range is dropped)
+        old = {**m.state_dict(), "_gate_quantizer._amax": torch.tensor(1.0)}
+        assert not nn.Sequential(m).load_state_dict({f"0.{k}": v for k, v in old.items()}).unexpected_keys
 
 
 def test_the_recipe_swaps_silu_and_hardswish_only_when_it_quantizes_activations():
@@ -275,20 +276,54 @@ def test_the_recipe_swaps_silu_and_hardswish_only_when_it_quantizes_activations(
     assert isinstance(on.act1, QuantSiLU) and isinstance(on.act2, QuantHardswish)
     assert not hasattr(on.bn1, "_output_quantizer")  # the SiLU's own input quantizer is the BatchNorm's output's
     assert type(off.act1) is nn.SiLU and hasattr(off.bn1, "_output_quantizer")
-    assert on.act1._gate_quantizer.asymmetric
+    assert on.act1._input_quantizer.asymmetric and not hasattr(on.act1, "_gate_quantizer")
 
 
-def test_silu_and_hardswish_run_integer_sigmoid_and_mul_in_the_file(tmp_path):
+def test_silu_and_hardswish_run_as_one_float_kernel_between_integer_convs(tmp_path):
     pytest.importorskip("onnxruntime")
     from lq.export import optimized_op_counts
 
     torch.manual_seed(0)
     res = _exported(SiLUNet(), torch.randn(64, 4, 12, 12), 48, tmp_path, method="max")
     ops = optimized_op_counts(res.path)
-    assert ops.get("QLinearSigmoid") == 1 and ops.get("QLinearMul") == 2, ops
-    assert "Sigmoid" not in ops and "QuickGelu" not in ops and "Mul" not in ops, ops
+    # onnxruntime runs HardSwish as HardSigmoid and Mul, in float between the Q/DQ like the SiLU
+    assert ops.get("QuickGelu") == 1 and ops.get("HardSigmoid") == 1 and ops.get("Mul") == 1, ops
+    assert not {"Sigmoid", "QLinearSigmoid", "QLinearMul"} & set(ops), ops
     kernels = {(k.layer, k.op): k.kernel for k in res.layer_kernels}
     assert kernels[("conv1", "Conv")] == "QLinearConv" and kernels[("conv2", "Conv")] == "QLinearConv", kernels
+
+
+class StemNet(nn.Module):
+    """An image net's stem (1 channel, 3x3: 9 products per output) -> BN -> SiLU, then a 16-channel conv."""
+
+    def __init__(self, act=nn.SiLU):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), act())
+        self.conv, self.bn, self.act = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), act()
+        self.head = nn.Conv2d(16, 10, 1)
+
+    def forward(self, x):
+        return self.head(self.act(self.bn(self.conv(self.stem(x))))).mean((2, 3))
+
+
+@pytest.mark.parametrize("act", [nn.SiLU, nn.Hardswish])
+def test_the_activation_of_a_stem_that_runs_in_float_stays_float(tmp_path, act):
+    """The stem runs faster in float (lq.rules.onnxruntime.ort_prefers_float_conv): its activation is not
+    quantized (it would give the stem an output grid and make it a QLinearConv); the traced forward's
+    activation after a 16-channel conv is."""
+    pytest.importorskip("onnxruntime")
+    from lq.convert import quantize_model
+    from lq.nn.modules.quant_activation import ACTIVATION_MODULE_CLASSES
+
+    m = StemNet(act)
+    summary = quantize_model(m)
+    assert type(m.stem[2]) is act and type(m.act) is ACTIVATION_MODULE_CLASSES[act]
+    assert "faster in float" in summary["stem.2"].status
+    assert not hasattr(m.stem[1], "_output_quantizer") and not hasattr(m.stem[0], "_output_quantizer")
+    torch.manual_seed(0)
+    res = _exported(StemNet(act), torch.randn(64, 1, 12, 12), 48, tmp_path, method="max")
+    kernels = {(k.layer, k.op): k.kernel for k in res.layer_kernels}
+    assert kernels[("stem.0", "Conv")] == "Conv" and kernels[("conv", "Conv")] == "QLinearConv", kernels
 
 
 class ConvBNAct(nn.Sequential):
@@ -354,7 +389,8 @@ def test_every_conv_runs_integer_under_auto_calibration(tmp_path):
     float_kernels = [(k.layer, k.op, k.reason) for k in res.layer_kernels if not k.integer]
     assert [k for k in float_kernels if k[1] in ("Conv", "Mul")] == [], float_kernels
     ops = optimized_op_counts(res.path)
-    assert ops.get("QLinearSigmoid", 0) >= 3 * 2 and ops.get("QLinearMul", 0) >= 3 * 4, ops  # SiLUs and SE gates
+    assert ops.get("QLinearSigmoid", 0) == 3 and ops.get("QLinearMul", 0) == 3, ops  # the squeeze-excite gates
+    assert ops.get("QuickGelu", 0) == 1 + 3 * 3, ops  # the SiLUs: stem, and expand, depthwise, SE in every block
 
 
 class ReluNormBlock(nn.Sequential):

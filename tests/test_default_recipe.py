@@ -23,8 +23,9 @@ torch.set_flush_denormal(True)
 
 
 def _net() -> nn.Module:
+    """4 input channels: not a stem that onnxruntime runs in float (whose SiLU would stay float)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU(), nn.Conv2d(8, 8, 3),
+    return nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU(), nn.Conv2d(8, 8, 3),
                          nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).eval()
 
 
@@ -56,7 +57,7 @@ def test_quantize_model_with_nothing_is_the_onnxruntime_recipe_as_the_callback_a
     assert isinstance(a[0], QuantConv2d) and isinstance(a[2], QuantSiLU) and isinstance(a[7], QuantLinear)
     assert a[0]._input_quantizer.asymmetric and not a[0]._input_quantizer.narrow_range
     assert a[0]._weight_quantizer.num_bits == 7 and a[0]._weight_quantizer.axis == 0
-    x = torch.randn(16, 3, 10, 10)
+    x = torch.randn(16, 4, 10, 10)
     with torch.no_grad():
         lq.calibrate_model(a, [x], method="max")
         lq.calibrate_model(b, [x], method="max")
@@ -85,7 +86,7 @@ def test_descriptors_keep_pytorch_quantizations_numbers():
     desc = QuantDescriptor(num_bits=8, calib_method="max")
     m = _net()
     lq.quantize_model(m, quant_desc_input=desc)
-    hand = QuantConv2d(3, 8, 3, padding=1, quant_desc_input=desc)
+    hand = QuantConv2d(4, 8, 3, padding=1, quant_desc_input=desc)
     for role in ("_input_quantizer", "_weight_quantizer"):
         got, want = getattr(m[0], role), getattr(hand, role)
         assert (got.num_bits, got.narrow_range, got.axis, got.asymmetric, got.unsigned) == \

@@ -130,7 +130,7 @@ def test_a_wrong_scale_still_fails_on_the_deep_net(deep, tmp_path, monkeypatch):
 
 
 def test_a_shallow_nets_file_is_judged_without_noise(tmp_path):
-    model, x = _deep(stages=4)
+    model, x = _deep(stages=3)
     (c,) = lq.export_onnx(model, x, str(tmp_path / "shallow.onnx"), speed_check=False).output_checks
     assert c.frac_far <= _verify.FAR_FRACTION and c.noise_elements == 0 and c.allowed_far == _verify.FAR_FRACTION
 

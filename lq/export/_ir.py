@@ -41,6 +41,10 @@ class QuantNodeInfo:
 
 
 # =========================================================================== graph wrapper
+#: onnxruntime's contrib-op domain (MatMulNBits, DynamicQuantizeLSTM, QuickGelu)
+MS_DOMAIN = "com.microsoft"
+
+
 class Graph:
     """A mutable view of ``model.graph``: node list, constants by name, fresh names."""
 
@@ -142,6 +146,12 @@ class Graph:
             for p in like.metadata_props:
                 node.metadata_props.add(key=p.key, value=p.value)
         return node
+
+    def use_ms_domain(self) -> str:
+        """Declare onnxruntime's contrib-op domain in the model (once); returns it for ``make_node(domain=...)``."""
+        if not any(o.domain == MS_DOMAIN for o in self.model.opset_import):
+            self.model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        return MS_DOMAIN
 
     # --- output
     def finalize(self) -> onnx.ModelProto:

@@ -17,16 +17,14 @@ kernels; the op requires one zero point for all channels, which 128 is.
 from __future__ import annotations
 
 import numpy as np
-from onnx import helper
 
-from lq.export._ir import ExportError, Graph, attr, drop_unread, layer_name
+from lq.export._ir import MS_DOMAIN, ExportError, Graph, attr, drop_unread, layer_name
 from lq.export.trace._loop_ops import DYNAMIC_LSTM
 
 #: the onnxruntime op a QuantLSTM with recurrent="dynamic" runs as (it quantizes its own activations)
 RUNTIME_QUANTIZED_LSTM = "DynamicQuantizeLSTM"
 from lq.export.trace._symbolic import DOMAIN
 
-MS_DOMAIN = "com.microsoft"
 #: torch's gate blocks (i, f, g, o) in the order of ONNX's LSTM (i, o, f, c)
 ONNX_GATES = (0, 3, 1, 2)
 #: the largest |int8 weight| whose uint8 x int8 pair sums fit int16 (255 * 63 * 2 = 32130)
@@ -84,8 +82,7 @@ def write_dynamic_lstms(g: Graph) -> list[tuple[str, bool]]:
         done.append((layer, bool(unsigned)))
     if done:
         drop_unread(g, lambda m: m.op_type == "DequantizeLinear")
-        if not any(o.domain == MS_DOMAIN for o in g.model.opset_import):
-            g.model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        g.use_ms_domain()
     return done
 
 

@@ -25,9 +25,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper
 
-from lq.export._ir import Graph, attr, layer_name
+from lq.export._ir import MS_DOMAIN, Graph, attr, layer_name
 
-MS_DOMAIN = "com.microsoft"
 OP = "MatMulNBits"
 #: block sizes onnxruntime's MatMulNBits takes (powers of two from 16)
 MIN_BLOCK = 16
@@ -79,8 +78,7 @@ def write_matmul_nbits(g: Graph) -> list[str]:
             drop.update(id(t) for t in done if t.op_type == "Transpose")
     if new_nodes:
         g.nodes = [new_nodes.get(id(n), n) for n in g.nodes if id(n) not in drop or id(n) in new_nodes]
-        if not any(o.domain == MS_DOMAIN for o in g.model.opset_import):
-            g.model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        g.use_ms_domain()
     return notes
 
 

@@ -18,8 +18,8 @@ import onnx
 from lq.config import ExportConfig
 from lq.export._ir import Graph, value_shapes
 from lq.export.passes import (_channel_affine, _dynamic_lstm, _float_convs, _fold_bn, _fold_constants, _gelu_order, _int16,
-                              _linear_gemm, _loops, _lower, _matmul_nbits, _mean_first, _placement, _pool_first, _swap_last_axes,
-                              _upsample, _weight_layout)
+                              _linear_gemm, _loops, _lower, _matmul_nbits, _mean_first, _placement, _pool_first, _silu,
+                              _swap_last_axes, _upsample, _weight_layout)
 
 ORT = ("onnxruntime",)
 BOTH = ("onnxruntime", "tensorrt")
@@ -89,6 +89,7 @@ SHAPE_PASSES: tuple[Pass, ...] = (
     Pass("affines_as_batchnorm", lambda g, shapes: _channel_affine.affines_as_batchnorm(g, shapes), ORT),
     Pass("nearest_upsamples_as_expand", lambda g, shapes: _upsample.nearest_upsamples_as_expand(g, shapes), ORT),
     Pass("reorder_gelus", lambda g, shapes: _gelu_order.reorder_gelus(g), ORT),
+    Pass("silus_as_quick_gelu", lambda g, shapes: _silu.silus_as_quick_gelu(g), ORT),
     # the current exporter's key.transpose(-1, -2) (Reshape -> Transpose -> Reshape) as one Transpose
     Pass("swap_last_axes", lambda g, shapes: _swap_last_axes.swap_last_axes(g, shapes)),
 )
