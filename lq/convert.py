@@ -30,6 +30,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from torch import nn
 
 from lq import nn as quant_nn
+from lq.glue._outputs import float_stem
 from lq.nn.modules._utils import DescriptorTypeError, QuantMixin, as_quant_descriptor
 from lq.nn.modules.tensor_quantizer import iter_quantizers  # (name, TensorQuantizer) for every quantizer
 
@@ -563,11 +564,12 @@ def quantize_model(
     # ---- glue ops in the modules' own forwards (traced, nothing modified)
     glue_plans, glue_outputs, glue_notes = [], [], []
     pool_pairs: list = []
+    sibling_pairs: list = []
     argument_pairs: list = []
     unsigned: set[str] = set()
     if glue or unsigned_after_relu:
         from lq import glue as _glue
-        from lq.glue import _argument_ties, _pool_grid
+        from lq.glue import _argument_ties, _pool_grid, _sibling_ties
 
         graphs: dict = {}
         will_be_quantized = lambda m: isinstance(m, QuantMixin) or id(m) in targets  # noqa: E731
@@ -578,8 +580,9 @@ def quantize_model(
         for a in stem_activations:  # float, reading a float stem (lq.glue._outputs.float_stem)
             t = targets.pop(id(a))
             layers[t.row] = LayerSummary.of(t.name, a, "float: reads a stem conv that onnxruntime runs faster in float")
-        if glue and activations:  # a max pool and its reader on one grid (lq.glue._pool_grid)
+        if glue and activations:  # a max pool and its reader, and readers of one tensor, on one grid
             pool_pairs = _pool_grid.pool_readers(model, graphs, will_be_quantized)
+            sibling_pairs = _sibling_ties.sibling_readers(model, graphs, will_be_quantized)
         if not glue:
             glue_plans, glue_outputs, glue_already, glue_notes = [], [], [], []
         # a child's join operand and the caller's layer reading the same tensor: one grid (lq.glue._argument_ties)
@@ -637,6 +640,8 @@ def quantize_model(
             raise
         except Exception as e:  # noqa: BLE001 - re-raised with the layer's name
             raise ConversionError(f"cannot quantize {t.name!r} ({type(t.module).__name__}): {e}") from e
+        if activations and isinstance(t.new, QuantMixin) and float_stem(t.module):
+            t.new._input_quantizer.disable()  # runs in float on the model's input: lq.glue._outputs.float_stem
         has_state = any(True for _ in t.module.parameters()) or any(True for _ in t.module.buffers())
         if not has_state and device is not None and isinstance(t.new, QuantMixin):
             for _, q in t.new.iter_quantizers():
@@ -680,6 +685,8 @@ def quantize_model(
         layers[t.row] = LayerSummary.of(t.name, t.new, "quantized")
     if pool_pairs:
         _pool_grid.share(pool_pairs, converted)
+    if sibling_pairs:
+        _sibling_ties.share(sibling_pairs, converted)
     if argument_pairs:
         _argument_ties.share(argument_pairs, converted)
     for o, q in zip(glue_outputs, output_quantizers, strict=True):

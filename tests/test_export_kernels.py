@@ -7,6 +7,8 @@ the PyTorch model computes with its quantizers off (else the reported speed-up c
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import onnx
 import pytest
@@ -29,7 +31,7 @@ class ResidualNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.c1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.c1 = nn.Conv2d(4, 16, 3, padding=1)  # 4 channels: not a stem that runs in float
         self.c2 = nn.Conv2d(16, 16, 3, padding=1)
         self.add = qnn.QuantAdd()
         self.pool = nn.AdaptiveAvgPool2d(1)
@@ -68,7 +70,7 @@ def _export(model, x, tmp_path, **kw):
 
 
 def test_integer_kernels_match_onnxruntimes_optimized_graph(tmp_path):
-    x = torch.randn(4, 3, 16, 16)
+    x = torch.randn(4, 4, 16, 16)
     res = _export(_quantized(ResidualNet(), x), x, tmp_path)
     kernels = {k.layer: k for k in res.layer_kernels}
     assert {"c1", "c2", "fc"} <= set(kernels)
@@ -127,7 +129,7 @@ def test_slower_than_fp32_warns_with_ratio_and_float_layers(tmp_path, monkeypatc
 
 
 def test_no_slowdown_warning_when_faster(tmp_path, monkeypatch):
-    x = torch.randn(4, 3, 16, 16)
+    x = torch.randn(4, 4, 16, 16)
     monkeypatch.setattr(_timing, "time_rounds", lambda *a, **k: ([1e-3] * 3, [1.8e-3] * 3, 1))
     res = _export(_quantized(ResidualNet(), x), x, tmp_path)
     assert res.speedup == pytest.approx(1.8) and not any("the speed of" in w for w in res.warnings)
@@ -315,7 +317,7 @@ def test_a_layer_computed_once_per_readers_grid_is_one_row(tmp_path):
     class Fork(nn.Module):
         def __init__(self):
             super().__init__()
-            self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+            self.stem = nn.Sequential(nn.Conv2d(4, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
             self.a, self.b = nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 16, 1)
 
         def forward(self, x):
@@ -323,10 +325,12 @@ def test_a_layer_computed_once_per_readers_grid_is_one_row(tmp_path):
             return torch.cat([self.a(y), self.b(y)], 1).mean((2, 3))
 
     torch.manual_seed(0)
-    x = torch.randn(8, 3, 16, 16)
+    x = torch.randn(8, 4, 16, 16)
     model = _quantized(Fork().eval(), x)
+    assert model.b._input_quantizer is model.a._input_quantizer  # one grid (lq.glue._sibling_ties) ...
+    model.b._input_quantizer = copy.deepcopy(model.a._input_quantizer)
     with torch.no_grad():
-        model.b._input_quantizer.amax.mul_(0.5)  # the two readers of the stem's output on different grids
+        model.b._input_quantizer._max_range.mul_(0.5)  # ... here two readers of the stem's output on two grids
     res = _export(model, x, tmp_path, verify=False)
     assert [k.layer for k in res.layer_kernels].count("stem.0") == 2  # two exported convs ...
     rows = kernel_rows(res)

@@ -582,7 +582,50 @@ def test_a_skip_passed_to_a_decoder_block_has_the_grid_of_the_conv_that_pools_it
     x = torch.rand(16, 1, 16, 16)
     calibrate_model(m, [x[:8], x[8:]], method=method)
     res = export_onnx(m, x[:4], str(tmp_path / "unet.onnx"))  # verified against PyTorch inside
-    kernels = {k.layer: k.kernel for k in res.layer_kernels if k.op == "Conv"}
-    assert all(k == "QLinearConv" for name, k in kernels.items() if name != "head"), kernels
+    kernels = {k.layer: k for k in res.layer_kernels if k.op == "Conv"}
+    assert all(k.kernel == "QLinearConv" for name, k in kernels.items() if name not in ("head", "stage1.0")), kernels
+    # the 1-channel 3x3 stem runs in float on the model's float input (lq.glue._outputs.float_stem)
+    assert not m.stage1[0]._input_quantizer.is_enabled and kernels["stage1.0"].by_choice, kernels["stage1.0"]
     state = m.state_dict()  # one module under two names: both keys, the same calibrated range
     assert torch.equal(state["up1.lq_glue.cat_0_b._amax"], state["stage2.0._input_quantizer._amax"])
+
+
+class TwoHeads(nn.Module):
+    """Two score-map heads read one feature map (bench.library's U-Net: ``self.region(d), self.link(d)``)."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(4, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.refine = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.region, self.link = nn.Conv2d(c, 1, 1), nn.Conv2d(c, 2, 1)
+
+    def forward(self, x):
+        d = self.refine(self.body(x))
+        return self.region(d), self.link(d)
+
+
+@pytest.mark.parametrize("method", ["max", "auto"])
+def test_layers_reading_one_tensor_share_its_grid_and_its_producer_is_not_copied(tmp_path, method):
+    """Each head had its own input quantizer, calibrated apart under ``auto``: two QuantizeLinear on one tensor,
+    and the export ran the refine conv twice (one copy per grid). lq.glue._sibling_ties: one quantizer."""
+    pytest.importorskip("onnxruntime")
+    import onnx
+
+    torch.manual_seed(0)
+    m = _trained_bn(TwoHeads(), channels=4, size=12)
+    quantize_model(m)  # the callback's default recipe (int8_onnxruntime)
+    assert m.link._input_quantizer is m.region._input_quantizer
+    x = torch.rand(16, 4, 12, 12)
+    calibrate_model(m, [x[:8], x[8:]], method=method)
+    with torch.no_grad():  # PyTorch itself quantizes d once for both heads: the heads' own float convs on it
+        dq = m.region._input_quantizer(m.refine(m.body(x[:4])))
+        region, link = m(x[:4])
+        torch.testing.assert_close(link, F.conv2d(dq, m.link._weight_quantizer(m.link.weight), m.link.bias),
+                                   rtol=0, atol=1e-6)
+    res = export_onnx(m, x[:4], str(tmp_path / "heads.onnx"), output_names=["region", "link"])  # verified inside
+    nodes = onnx.load(res.path).graph.node
+    assert not [n.name for n in nodes if "_copy" in n.name] and sum(n.op_type == "Conv" for n in nodes) == 4
+    kernels = {k.layer: k.kernel for k in res.layer_kernels if k.op == "Conv"}
+    assert kernels["refine.0"] == "QLinearConv" and kernels["body.0"] == "QLinearConv", kernels
+    state = m.state_dict()
+    assert torch.equal(state["region._input_quantizer._amax"], state["link._input_quantizer._amax"])

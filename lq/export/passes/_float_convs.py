@@ -12,10 +12,11 @@ DequantizeLinear by a float initializer holding exactly what it computes (``(q -
 float32) leaves the numbers unchanged. The input quantizer stays (it is part of the model), the bias stays
 float (no int32 rounding is needed).
 
-Only where a float op reads the conv's output (lq.glue gives by-choice convs no output quantizer). Where
-the output reaches a QuantizeLinear through nothing but ReLU/Clip, onnxruntime's ``WeightBiasQuantization``
-would re-quantize float weights per tensor to fuse the conv anyway (changing the numbers), so those convs
-keep their integer weights and run as QLinearConv; a conv writing a model output keeps them too.
+Only where a float op reads the conv's output (lq.glue gives by-choice convs no output quantizer), or where
+its input is not quantized (a stem under the onnxruntime recipe). Where a dequantized input's conv output
+reaches a QuantizeLinear through nothing but ReLU/Clip, onnxruntime's ``WeightBiasQuantization`` would
+re-quantize float weights per tensor to fuse the conv anyway (changing the numbers), so those convs keep their
+integer weights and run as QLinearConv; a conv writing a model output keeps them too.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def float_weights_for_float_convs(g: Graph) -> list[str]:
         zp = g.const(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
         if q is None or scale is None or q.ndim < 3 or q.dtype not in (np.int8, np.uint8):
             continue
-        if _path_to_quantize(n, g, cons):
+        if _path_to_quantize(n, g, cons) and _reads_dequantized(n, prod):
             continue
         marker = FLOAT_BY_CHOICE if ort_prefers_float_conv(q.shape[1], q.shape[2:]) else FLOAT_WEIGHTS
         if marker == FLOAT_WEIGHTS and all(k == 1 for k in q.shape[2:]):
@@ -61,6 +62,14 @@ def float_weights_for_float_convs(g: Graph) -> list[str]:
         done.append(n.name)
     g.nodes = [n for n in g.nodes if id(n) not in dropped]
     return done
+
+
+def _reads_dequantized(n, prod: dict) -> bool:
+    """``n``'s input is a DequantizeLinear's output: onnxruntime may fuse it with a QuantizeLinear after it. A stem
+    whose input quantizer the recipe turned off (:func:`lq.glue._outputs.float_stem`) reads the float model input:
+    with float weights it runs onnxruntime's float conv, its ReLU fused, and the Q after it alone."""
+    p = prod.get(n.input[0])
+    return p is not None and p.op_type == "DequantizeLinear"
 
 
 def _path_to_quantize(n, g: Graph, cons: dict) -> bool:

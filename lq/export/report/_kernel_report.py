@@ -134,7 +134,10 @@ def _graphs(model: onnx.ModelProto):
 
 
 def _quantized(n: onnx.NodeProto, prod: dict) -> bool:
-    return any(prod.get(i) is not None and prod[i].op_type == "DequantizeLinear" for i in n.input)
+    """A quantizer feeds ``n``, or its weights are a quantized layer's, dequantized by the export (a stem that reads
+    the float model input has no other trace of its quantization)."""
+    return (any(prod.get(i) is not None and prod[i].op_type == "DequantizeLinear" for i in n.input)
+            or (n.op_type == "Conv" and len(n.input) > 1 and _float_weights(n.input[1])))
 
 
 def _runs_as(n: onnx.NodeProto, opt_by_name: dict, opt_cons: dict, prod: dict) -> str:
