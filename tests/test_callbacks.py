@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import Logger
 import lq
 from lq.calibration import CalibrationError, calibrate_model
 from lq.convert import quantize_model
-from lq.config import CalibConfig, ExportConfig, Int4BlockWeightConfig, QATConfig, QuantConfig
+from lq.config import CalibConfig, ExportConfig, Int4BlockWeightConfig, Int8ReduceRangeConfig, QATConfig, QuantConfig
 from lq.nn.modules.tensor_quantizer import TensorQuantizer, iter_quantizers
 from lq.zoo import DigitsDataModule, SmallCNN
 
@@ -51,7 +51,8 @@ def _amax(model):
 def test_first_input_amax_is_the_data_max(tmp_path, dm):
     # digits are scaled to [0, 1] and some pixel is 16/16: max calibration over all batches gives exactly 1.0
     model = _model()
-    cb = _no_export(calib=CalibConfig(method="max", num_batches=1000))
+    # a symmetric recipe: under int8_onnxruntime this 1-channel stem runs in float and its input is not quantized
+    cb = _no_export(quant="int8_reduce_range", calib=CalibConfig(method="max", num_batches=1000))
     _trainer(tmp_path, [cb]).fit(model, datamodule=dm)
     assert model.stem[0]._input_quantizer.amax.item() == 1.0
     # the weight amax is the per-channel max |w| of the weights that calibration saw (frozen since then)
@@ -85,7 +86,7 @@ def test_frozen_amax_does_not_drift_and_fit_twice(tmp_path, dm):
     cb = _no_export()
     _trainer(tmp_path, [cb]).fit(model, datamodule=dm)
     first = _amax(model)
-    n_quantizers = len(first)
+    n_quantizers = len(list(iter_quantizers(model)))
     _trainer(tmp_path, [cb]).fit(model, datamodule=dm)  # same callback, second fit
     second = _amax(model)
     assert second.keys() == first.keys() and len(list(iter_quantizers(model))) == n_quantizers
@@ -227,7 +228,7 @@ class _ImageLogger(Logger):
 def test_summary_table_and_histogram_figures_reach_the_logger(tmp_path, dm):
     model = _model()
     logger = _ImageLogger()
-    cb = _no_export(calib=CalibConfig(method="entropy", num_batches=2))
+    cb = _no_export(quant="int8_reduce_range", calib=CalibConfig(method="entropy", num_batches=2))
     L.Trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=1, logger=logger, enable_progress_bar=False,
               enable_checkpointing=False, default_root_dir=str(tmp_path), callbacks=[cb]).fit(model, datamodule=dm)
     key, columns, data = logger.tables[0]
@@ -329,6 +330,11 @@ def _shard(x, rank, world):
     return x[0::2] if rank == 0 else x[1::4] * 2.0
 
 
+#: a recipe that quantizes the stem's input, whose reduced range the DDP tests check (under int8_onnxruntime a
+#: 1-channel stem runs in float on the unquantized input)
+_DDP_RECIPE = Int8ReduceRangeConfig
+
+
 def _ddp_worker(rank, world, port, out_dir, empty_rank=-1, method="entropy"):
     import torch.distributed as dist
 
@@ -336,7 +342,7 @@ def _ddp_worker(rank, world, port, out_dir, empty_rank=-1, method="entropy"):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_flush_denormal(True)
     model = _model()
-    lq.QuantSwap().swap(model)
+    lq.QuantSwap(_DDP_RECIPE()).swap(model)
     x, _ = DigitsDataModule().arrays("train")
     shard = _shard(x, rank, world)
     if rank == empty_rank:
@@ -358,7 +364,7 @@ def test_ddp_two_processes_agree_on_global_amax(tmp_path, method):
     x, _ = DigitsDataModule().arrays("train")
     both = torch.cat([_shard(x, 0, 2), _shard(x, 1, 2)])
     model = _model()
-    lq.QuantSwap().swap(model)
+    lq.QuantSwap(_DDP_RECIPE()).swap(model)
     calibrate_model(model, torch.utils.data.DataLoader(both, batch_size=64), method=method, num_bins=256)
     single = _amax(model)
     if method == "max":
@@ -384,7 +390,7 @@ def test_ddp_rank_without_calibration_batches_joins_the_sync(tmp_path, method):
     assert a0.keys() == a1.keys() and all(torch.equal(a0[k], a1[k]) for k in a0)
     x, _ = DigitsDataModule().arrays("train")
     model = _model()
-    lq.QuantSwap().swap(model)
+    lq.QuantSwap(_DDP_RECIPE()).swap(model)
     calibrate_model(model, torch.utils.data.DataLoader(_shard(x, 0, 2), batch_size=64), method=method,
                     num_bins=256)
     single = _amax(model)
@@ -420,7 +426,7 @@ def _spawn_trainer(tmp_path, cb):
 
 def test_lightning_ddp_two_processes_same_global_amax(tmp_path):
     model = _model()
-    quantize_model(model)  # quantized before fit: the same modules in the parent and in every rank
+    quantize_model(model, recipe="int8_reduce_range")  # before fit: the same modules in the parent and every rank
     cb = _no_export(calib=CalibConfig(method="max", num_batches=1000))
     _spawn_trainer(tmp_path, cb).fit(model, datamodule=_RankShiftedDigits(batch_size=64))
     a0, a1 = torch.load(tmp_path / "amax0.pt"), torch.load(tmp_path / "amax1.pt")

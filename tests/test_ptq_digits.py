@@ -125,8 +125,11 @@ def test_ptq_digits_int8_within_one_point_of_fp32(one_thread):
         load_amax(model, method)
         results[method] = accuracy(model, xte, yte)
 
-    # every quantizer ended with a static amax
-    assert all(q.amax is not None for _, q in iter_quantizers(model))
+    # every quantizer ended with a static amax, but the input of the 1-channel stem, which runs in float on the
+    # model's input under the default recipe (it stays off through pytorch-quantization's calibration loop)
+    off = [n for n, q in iter_quantizers(model) if not q.is_enabled]
+    assert off == ["conv1._input_quantizer"], off
+    assert all(q.amax is not None for _, q in iter_quantizers(model) if q.is_enabled)
     print(f"\nFP32 accuracy: {fp32:.2f}%")
     for method, acc in results.items():
         print(f"INT8 {method:>10}: {acc:.2f}% ({acc - fp32:+.2f})")

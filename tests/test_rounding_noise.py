@@ -26,9 +26,10 @@ torch.set_flush_denormal(True)
 
 def _small(recipe_cfg) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+    # 4 input channels: not a stem that runs in float on its unquantized input under int8_onnxruntime
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
                           nn.Flatten(), nn.Linear(8 * 8 * 8, 10)).eval()
-    x = torch.randn(16, 1, 8, 8)
+    x = torch.randn(16, 4, 8, 8)
     QuantSwap(recipe_cfg).swap(model)
     with torch.no_grad():
         lq.calibrate_model(model, [x])

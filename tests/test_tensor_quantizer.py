@@ -619,6 +619,13 @@ def test_no_data_message_names_the_cause():
     q.enable_calib()
     with pytest.raises(RuntimeError, match="Calibrator returned None.*saw no data"):
         q.load_calib_amax()
+    # a quantizer a recipe turned off saw no data on purpose: nothing to load, amax stays as it was
+    q.disable()
+    q.load_calib_amax()
+    assert q.amax is None and not q.is_enabled
+    q.enable()
+    with pytest.raises(RuntimeError, match="saw no data"):
+        q.load_calib_amax()
 
 
 def test_descriptor_amax_equals_the_quantizers_float32_amax():

@@ -522,12 +522,17 @@ class TensorQuantizer(nn.Module):
         ``method``; histogram takes "entropy", "mse" or "percentile" and
         ``stride``, ``start_bin``, ``percentile``). A calibrator that saw no
         data raises a RuntimeError naming this quantizer, or with
-        ``strict=False`` logs a warning and leaves amax as it was.
+        ``strict=False`` logs a warning and leaves amax as it was. A disabled
+        quantizer that saw no data (a recipe turned it off, e.g. the input of
+        a stem that runs in float) has nothing to load: amax stays as it was,
+        so pytorch-quantization's calibration loop over every quantizer works.
         """
         from lq import calib
 
         if self._calibrator is None:
             raise RuntimeError(f"{self.name}: no calibrator was created")
+        if self._disabled and not self._calibrator.has_data:
+            return
         if not self._calibrator.has_data:
             msg = (f"{self.name}: Calibrator returned None: the {type(self._calibrator).__name__} saw no data "
                    "during calibration (was calibration enabled and did the calibration batches reach it?)")
