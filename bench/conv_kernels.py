@@ -3,9 +3,10 @@ products per output.
 
     python -m bench.conv_kernels [--fast] [--out DIR]
 
-The measurement behind ``lq.rules.onnxruntime.ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP`` and
-``ORT_INT8_CONV_MIN_REDUCTION``: for depthwise convs (3x3 and 7x7), dense convs with 1 to 32 input channels, and
-the stems people's models have (an RGB 7x7 at stride 2, 1-D audio stems of 32 to 512 taps on one channel), one
+The measurement behind ``lq.rules.onnxruntime.ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP``,
+``ORT_INT8_CONV_MIN_REDUCTION`` and ``ORT_INT8_HEAD_MIN_OUT_CHANNELS``: for depthwise convs (3x3 and 7x7), dense convs with 1 to 32 input channels, and
+the stems people's models have (an RGB 7x7 at stride 2, 1-D audio stems of 32 to 512 taps on one channel), heads
+with few output channels (a conv writing a model output runs as QLinearConv only with a Q/DQ pair after it), one
 quantized conv (lq's ``int8_reduce_range`` recipe, exported by ``lq.export.export_onnx`` with a quantizer after it,
 so onnxruntime fuses it into QLinearConv) against the same conv in FP32 (``torch.onnx``), batch 32, one
 thread. The conv's own kernel time comes from onnxruntime's profiler (median over runs), so the Q/DQ and
@@ -49,7 +50,13 @@ CASES = [
     ("1-D 32 taps, 1 -> 64, 784 samples", 1, 64, 32, 1, 784, 1, 1),
     ("1-D 128 taps stride 4, 1 -> 64, 784 samples", 1, 64, 128, 1, 784, 4, 1),
     ("1-D 512 taps stride 4, 1 -> 128, 784 samples (CREPE's stem)", 1, 128, 512, 1, 784, 4, 1),
+    # convs that write a model output (``ort_prefers_float_head``): score-map and class heads
+    ("1x1, 8 -> 1, 40x40 (a score-map head, model output)", 8, 1, 1, 1, 40),
+    ("1x1, 8 -> 2, 40x40 (model output)", 8, 2, 1, 1, 40),
+    ("3x3, 16 -> 10, 16x16 (model output)", 16, 10, 3, 1, 16),
 ]
+#: the label of a case whose conv writes a model output
+HEAD = "model output"
 FAST = [0, 3, 5, 6]
 
 
@@ -101,7 +108,7 @@ def measure(case, d: str, runs: int) -> dict:
     f_ms, f_op = _conv_ms(fp32, xn, runs, os.path.join(d, "p_fp32"))
     i_ms, i_op = _conv_ms(int8, xn, runs, os.path.join(d, "p_int8"))
     return {"case": label, "channels_per_group": cin // groups, "products": cin // groups * k ** dims,
-            "fp32_ms": f_ms, "int8_ms": i_ms,
+            "out_channels": cout, "head": HEAD in label, "fp32_ms": f_ms, "int8_ms": i_ms,
             "int8_op": i_op, "fp32_op": f_op, "speedup": f_ms / i_ms}
 
 

@@ -565,6 +565,7 @@ def quantize_model(
     glue_plans, glue_outputs, glue_notes = [], [], []
     pool_pairs: list = []
     sibling_pairs: list = []
+    pooled: set[int] = set()  # float stems a max pool reads: they stay integer (lq.glue._outputs.pooled_stems)
     argument_pairs: list = []
     unsigned: set[str] = set()
     if glue or unsigned_after_relu:
@@ -583,6 +584,7 @@ def quantize_model(
         if glue and activations:  # a max pool and its reader, and readers of one tensor, on one grid
             pool_pairs = _pool_grid.pool_readers(model, graphs, will_be_quantized)
             sibling_pairs = _sibling_ties.sibling_readers(model, graphs, will_be_quantized)
+            pooled = _glue._outputs.pooled_stems(model, graphs)
         if not glue:
             glue_plans, glue_outputs, glue_already, glue_notes = [], [], [], []
         # a child's join operand and the caller's layer reading the same tensor: one grid (lq.glue._argument_ties)
@@ -640,7 +642,7 @@ def quantize_model(
             raise
         except Exception as e:  # noqa: BLE001 - re-raised with the layer's name
             raise ConversionError(f"cannot quantize {t.name!r} ({type(t.module).__name__}): {e}") from e
-        if activations and isinstance(t.new, QuantMixin) and float_stem(t.module):
+        if activations and isinstance(t.new, QuantMixin) and float_stem(t.module) and id(t.module) not in pooled:
             t.new._input_quantizer.disable()  # runs in float on the model's input: lq.glue._outputs.float_stem
         has_state = any(True for _ in t.module.parameters()) or any(True for _ in t.module.buffers())
         if not has_state and device is not None and isinstance(t.new, QuantMixin):

@@ -306,6 +306,34 @@ class StemNet(nn.Module):
         return self.head(self.act(self.bn(self.conv(self.stem(x))))).mean((2, 3))
 
 
+class PooledStem(nn.Module):
+    """A 1-channel stem -> BN -> ReLU whose output a max pool reads (bench.ordinary's U-Net encoder)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc1 = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.enc2 = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(self.enc2(nn.functional.max_pool2d(self.enc1(x), 2)).mean((2, 3)))
+
+
+def test_a_stem_that_a_max_pool_reads_stays_integer(tmp_path):
+    """In float its output would reach the pool in NCHW, which onnxruntime pools with its slow uint8 MaxPool
+    (lq.glue._outputs.pooled_stems): the stem keeps its input quantizer and runs QLinearConv, the pool NhwcMaxPool."""
+    pytest.importorskip("onnxruntime")
+    from lq.convert import quantize_model
+
+    m = PooledStem()
+    quantize_model(m)
+    assert m.enc1[0]._input_quantizer.is_enabled
+    torch.manual_seed(0)
+    res = _exported(PooledStem(), torch.rand(64, 1, 12, 12), 48, tmp_path, method="max")
+    assert {(k.layer, k.op): k.kernel for k in res.layer_kernels}[("enc1.0", "Conv")] == "QLinearConv"
+    assert "NhwcMaxPool" in res.ort_ops and "MaxPool" not in res.ort_ops, res.ort_ops
+
+
 @pytest.mark.parametrize("act", [nn.SiLU, nn.Hardswish])
 def test_the_activation_of_a_stem_that_runs_in_float_stays_float(tmp_path, act):
     """The stem runs faster in float (lq.rules.onnxruntime.ort_prefers_float_conv): its activation is not

@@ -155,6 +155,46 @@ def float_stem(layer: nn.Module) -> bool:
             and ort_prefers_float_conv(layer.in_channels, layer.kernel_size))
 
 
+MAX_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
+_POOL_FUNCTIONS = {nn.functional.max_pool1d, nn.functional.max_pool2d, nn.functional.max_pool3d}
+
+
+def pooled_stems(model: nn.Module, graphs: dict) -> set[int]:
+    """Ids of the :func:`float_stem` convs whose output a max pool reads (through their BatchNorm and ReLU): such
+    a stem stays integer with its input quantized. In float its output leaves the conv in NCHW, and onnxruntime
+    pools the quantized tensor with its slow NCHW uint8 MaxPool instead of NhwcMaxPool on a QLinearConv's output:
+    bench.ordinary's U-Net (1 -> 16 channels, 28x28, then a max pool), batch 32, Zen 5 VNNI: 2.53 ms with the stem
+    as QLinearConv, 3.40 ms with it float (its MaxPool alone 1.0 ms)."""
+    from lq.glue import _plain_sequential
+
+    def stem_block(m: nn.Module) -> nn.Module | None:  # the stem that ``m`` is, or that alone computes its output
+        items = list(m._modules.values()) if _plain_sequential(m) else [m]
+        if items and float_stem(items[0]) and all(isinstance(i, FOLDED_NORMS + RELU_MODULES) for i in items[1:]):
+            return items[0]
+        return None
+
+    out = set()
+    for _, m in model.named_modules():
+        if _plain_sequential(m):
+            items = list(m._modules.values())
+            for i, layer in enumerate(items):
+                j = i + 1
+                while j < len(items) and isinstance(items[j], FOLDED_NORMS + RELU_MODULES):
+                    j += 1
+                if float_stem(layer) and j < len(items) and isinstance(items[j], MAX_POOLS):
+                    out.add(id(layer))
+        graph = graphs.get(id(m))
+        if graph is None or _plain_sequential(m):
+            continue
+        for n in graph.nodes:
+            stem = stem_block(m.get_submodule(n.target)) if n.op == "call_module" else None
+            if stem is not None and any(
+                    (u.op == "call_function" and u.target in _POOL_FUNCTIONS)
+                    or (u.op == "call_module" and isinstance(m.get_submodule(u.target), MAX_POOLS)) for u in n.users):
+                out.add(id(stem))
+    return out
+
+
 def stem_activations_in_sequential(seq: nn.Sequential, activation) -> list[nn.Module]:
     """The ``activation(m)`` children that read a :func:`float_stem` (directly or through its BatchNorm) in a row
     of an ``nn.Sequential``."""

@@ -49,12 +49,22 @@ ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP = 4
 #: 2.71x, CREPE's 512 taps 2.44x (same run). Conservative for 1-D convs: 32 taps on one channel already ran 1.42x
 #: there, where 2-D kernels of 27 to 75 products run 0.39-0.80x.
 ORT_INT8_CONV_MIN_REDUCTION = 128
+#: a conv that writes a model output (lq leaves model outputs float; onnxruntime's own quantizer puts a Q/DQ pair
+#: there to run QLinearConv) with fewer output channels than this runs faster as its float conv, even before the
+#: DequantizeLinear the integer kernel would need: ``python -m bench.conv_kernels``, the "model output" cases
+ORT_INT8_HEAD_MIN_OUT_CHANNELS = 4
 
 #: a nearest upsample (by whole factors) of a conv's quantized output is written as a channels-last Expand
 #: (:mod:`lq.export.passes._upsample`) from this many channels on: onnxruntime resizes it in NHWC with an index per
 #: element. Between two QLinearConvs (batch 32, 16x16 -> 32x32, AVX-512 VNNI), conv + upsample + conv took
 #: 1.15 vs 1.18 ms (Resize vs Expand) at 4 channels, 1.50 vs 1.40 at 8, 1.39 vs 1.10 at 16, 10.1 vs 8.5 at 64.
 ORT_NHWC_UPSAMPLE_MIN_CHANNELS = 8
+
+
+def ort_prefers_float_head(out_channels: int) -> bool:
+    """Whether a conv writing a model output with this many output channels runs faster in float than as
+    QLinearConv (score-map heads of a segmentation net)."""
+    return out_channels < ORT_INT8_HEAD_MIN_OUT_CHANNELS
 
 
 def ort_prefers_float_conv(channels_per_group: int, kernel_size=(1,)) -> bool:

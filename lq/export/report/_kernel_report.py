@@ -17,7 +17,8 @@ import onnx
 from lq.export._ir import Graph, as_model
 from lq.export.passes._mean_first import MEAN_FIRST
 from lq.export.passes._float_convs import FLOAT_BY_CHOICE, FLOAT_MARKERS
-from lq.rules.onnxruntime import ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP, ORT_INT8_CONV_MIN_REDUCTION
+from lq.rules.onnxruntime import (ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP, ORT_INT8_CONV_MIN_REDUCTION,
+                                  ORT_INT8_HEAD_MIN_OUT_CHANNELS, ort_prefers_float_head)
 from lq.export.verify._verify import INT8_KERNELS, RUNTIME_QUANTIZED_LSTM
 
 #: the reason of a conv the export left float on purpose (:mod:`lq.export.passes._float_convs`)
@@ -27,8 +28,12 @@ BY_CHOICE = (f"float by choice: fewer than {ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP
 #: the reason of a 1x1 conv the export moved behind the spatial mean that read it (:mod:`lq.export.passes._mean_first`)
 ON_THE_MEAN = ("float by choice: a 1x1 conv whose output was averaged now runs on the average of its input "
                "(one pixel per image instead of the whole map: less work than any kernel, the same numbers)")
+#: the reason of a conv writing a model output with few output channels (lq.rules.onnxruntime.ort_prefers_float_head)
+HEAD_BY_CHOICE = (f"float by choice: a model output with fewer than {ORT_INT8_HEAD_MIN_OUT_CHANNELS} output channels, "
+                  "where onnxruntime's float conv is faster than QLinearConv (which would also need a Q/DQ pair "
+                  "on the output)")
 #: reasons of convs the export left float on purpose, because that is faster
-CHOSEN = (BY_CHOICE, ON_THE_MEAN)
+CHOSEN = (BY_CHOICE, ON_THE_MEAN, HEAD_BY_CHOICE)
 
 #: exported ops a layer's kernel is reported for (the compute ops and the quantized joins/pools)
 COMPUTE = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -77,6 +82,9 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: 
     if n.op_type in ("Gemm", "MatMul") and not users and n.output[0] in g.graph_outputs:
         return None  # onnxruntime's QGemm / MatMulIntegerToFloat give a float output directly
     if n.output[0] in g.graph_outputs:
+        out_channels = _out_channels(n, g, prod)
+        if out_channels is not None and ort_prefers_float_head(out_channels):
+            return HEAD_BY_CHOICE
         return "its output is a model output (no quantizer reads it)"
     if not users or any(u.op_type != "QuantizeLinear" for u in users):
         floats = [u for u in users if u.op_type != "QuantizeLinear"]
@@ -103,6 +111,17 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: 
         then = f", then by {', '.join(sorted(set(behind)))}," if behind else ""
         return f"its output is read by {', '.join(readers)}{then} without a quantizer ({hint})"
     return None
+
+
+def _out_channels(n: onnx.NodeProto, g: Graph, prod: dict) -> int | None:
+    """The output channels of a Conv ``n`` from its weight (a constant, or a DequantizeLinear of one)."""
+    if n.op_type != "Conv" or len(n.input) < 2:
+        return None
+    w = g.const(n.input[1])
+    p = prod.get(n.input[1])
+    if w is None and p is not None and p.op_type == "DequantizeLinear":
+        w = g.const(p.input[0])
+    return None if w is None or w.ndim < 3 else int(w.shape[0])
 
 
 def _float_weights(name: str) -> bool:
