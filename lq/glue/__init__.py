@@ -195,7 +195,7 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
     outputs: dict[int, OutputSite] = {}
     stem_activations: dict[int, nn.Module] = {}
 
-    def activation(m):
+    def activation(m):  # a SiLU/HardSwish the recipe quantizes ("mul" in optional: QuantConfig.activations)
         return "mul" in optional and type(m) in ACTIVATION_MODULE_CLASSES and will_be_quantized(m)
 
     def wants(layer):
