@@ -30,6 +30,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from torch import nn
 
 from lq import nn as quant_nn
+from lq.glue import _float_region
 from lq.glue._outputs import float_stem
 from lq.nn.modules._utils import DescriptorTypeError, QuantMixin, as_quant_descriptor
 from lq.nn.modules.tensor_quantizer import iter_quantizers  # (name, TensorQuantizer) for every quantizer
@@ -565,7 +566,7 @@ def quantize_model(
     glue_plans, glue_outputs, glue_notes = [], [], []
     pool_pairs: list = []
     sibling_pairs: list = []
-    pooled: set[int] = set()  # float stems a max pool reads: they stay integer (lq.glue._outputs.pooled_stems)
+    region = None  # what stays float at the model's input (lq.glue._float_region), onnxruntime recipe only
     argument_pairs: list = []
     unsigned: set[str] = set()
     if glue or unsigned_after_relu:
@@ -574,17 +575,20 @@ def quantize_model(
 
         graphs: dict = {}
         will_be_quantized = lambda m: isinstance(m, QuantMixin) or id(m) in targets  # noqa: E731
-        glue_plans, glue_outputs, glue_already, glue_notes, stem_activations = _glue.plan(
+        glue_plans, glue_outputs, glue_already, glue_notes = _glue.plan(
             model, selected=lambda n: _matches(n, include) and not _matches(n, exclude),
             skip=will_be_quantized, will_be_quantized=will_be_quantized, graphs=graphs,
             optional=frozenset({"mul", "relu_norm", "sloped"}) if activations else frozenset())
-        for a in stem_activations:  # float, reading a float stem (lq.glue._outputs.float_stem)
-            t = targets.pop(id(a))
-            layers[t.row] = LayerSummary.of(t.name, a, "float: reads a stem conv that onnxruntime runs faster in float")
+        if activations:  # the float stem and what reads it in float (lq.glue._float_region)
+            region = _float_region.float_region(model, graphs, glue_plans if glue else [], will_be_quantized,
+                                                _glue._outputs.pooled_stems(model, graphs))
+            for t in [t for t in targets.values() if id(t.module) in region.modules]:
+                del targets[id(t.module)]
+                layers[t.row] = LayerSummary.of(t.name, t.module, f"float: {_float_region.REASON}")
+            glue_outputs = [o for o in glue_outputs if not region.writes_float(o.layer)]
         if glue and activations:  # a max pool and its reader, and readers of one tensor, on one grid
             pool_pairs = _pool_grid.pool_readers(model, graphs, will_be_quantized)
             sibling_pairs = _sibling_ties.sibling_readers(model, graphs, will_be_quantized)
-            pooled = _glue._outputs.pooled_stems(model, graphs)
         if not glue:
             glue_plans, glue_outputs, glue_already, glue_notes = [], [], [], []
         # a child's join operand and the caller's layer reading the same tensor: one grid (lq.glue._argument_ties)
@@ -642,8 +646,9 @@ def quantize_model(
             raise
         except Exception as e:  # noqa: BLE001 - re-raised with the layer's name
             raise ConversionError(f"cannot quantize {t.name!r} ({type(t.module).__name__}): {e}") from e
-        if activations and isinstance(t.new, QuantMixin) and float_stem(t.module) and id(t.module) not in pooled:
-            t.new._input_quantizer.disable()  # runs in float on the model's input: lq.glue._outputs.float_stem
+        if activations and isinstance(t.new, QuantMixin) and (
+                id(t.module) in region.convs if region is not None else float_stem(t.module)):
+            t.new._input_quantizer.disable()  # runs in float on the model's input: lq.glue._float_region
         has_state = any(True for _ in t.module.parameters()) or any(True for _ in t.module.buffers())
         if not has_state and device is not None and isinstance(t.new, QuantMixin):
             for _, q in t.new.iter_quantizers():
@@ -671,6 +676,11 @@ def quantize_model(
                               f"stay float (rewriting its forward failed: {type(e).__name__}: {e})")
             p.cls = None
             continue
+        if region is not None:  # a squeeze-excite product in the float region: float (lq.glue._float_region)
+            for site in p.sites:
+                if (id(p.module), site.name) in region.sites:
+                    for q in site.quantizer_names():
+                        p.quantizers[q].disable()
         if device is not None:
             p.quantizers.to(device)
     glue_plans = [p for p in glue_plans if p.cls is not None]
@@ -699,7 +709,8 @@ def quantize_model(
         p.commit()
         for s in p.sites:
             qs = p.site_quantizers(s)
-            layers.append(LayerSummary.of_glue(p.path(s.name), p.label(s), qs, "quantized"))
+            status = "quantized" if any(q.is_enabled for q in qs) else f"float: {_float_region.REASON}"
+            layers.append(LayerSummary.of_glue(p.path(s.name), p.label(s), qs, status))
     if any(isinstance(t.new, quant_nn.QuantMultiheadAttention) for t in targets.values()):
         for name, m in model.named_modules():
             if isinstance(m, nn.TransformerEncoder) and getattr(m, "use_nested_tensor", False):

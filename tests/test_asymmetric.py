@@ -22,6 +22,8 @@ from lq.config import Int8OnnxruntimeConfig, QuantizerConfig
 from lq.nn import TensorQuantizer
 from lq.tensor_quant import QuantDescriptor
 
+from _mobile_blocks import SE, ConvBNAct
+
 torch.set_flush_denormal(True)
 
 
@@ -352,23 +354,6 @@ def test_the_activation_of_a_stem_that_runs_in_float_stays_float(tmp_path, act):
     res = _exported(StemNet(act), torch.randn(64, 1, 12, 12), 48, tmp_path, method="max")
     kernels = {(k.layer, k.op): k.kernel for k in res.layer_kernels}
     assert kernels[("stem.0", "Conv")] == "Conv" and kernels[("conv", "Conv")] == "QLinearConv", kernels
-
-
-class ConvBNAct(nn.Sequential):
-    """torchvision's Conv2dNormActivation shape: an nn.Sequential subclass that keeps Sequential's forward."""
-
-    def __init__(self, i, o, k=1, stride=1, groups=1, act=nn.SiLU):
-        layers = [nn.Conv2d(i, o, k, stride, k // 2, groups=groups, bias=False), nn.BatchNorm2d(o)]
-        super().__init__(*layers + ([act()] if act else []))
-
-
-class SE(nn.Module):
-    def __init__(self, c, s):
-        super().__init__()
-        self.pool, self.fc1, self.act, self.fc2 = nn.AdaptiveAvgPool2d(1), nn.Conv2d(c, s, 1), nn.SiLU(), nn.Conv2d(s, c, 1)
-
-    def forward(self, x):
-        return x * torch.sigmoid(self.fc2(self.act(self.fc1(self.pool(x)))))
 
 
 class MBConv(nn.Module):

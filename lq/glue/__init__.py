@@ -27,7 +27,6 @@ from lq.glue._rules import (FUNCTIONS, INPUT_QUANTIZER, METHODS, TIE_THROUGH_FUN
                             RELU_NORM, SLOPED, TIED_LAYERS, GlueRule)
 from lq.glue._sites import Site, find_sites
 from lq.glue._trace import trace
-from lq.nn.modules.quant_activation import ACTIVATION_MODULE_CLASSES
 from lq.nn.modules.tensor_quantizer import TensorQuantizer
 
 __all__ = ["GluePlan", "OutputSite", "plan", "GlueQuantized", "GlueQuantizer", "CHILD", "remove", "FUNCTIONS", "METHODS",
@@ -185,18 +184,12 @@ def unsigned_inputs(model: nn.Module, graphs: dict, plans: list[GluePlan], will_
 def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.Module], bool],
          will_be_quantized: Callable[[nn.Module], bool], graphs: dict | None = None,
          optional: frozenset = frozenset()):
-    """``(plans, outputs, already, notes, float_activations)``: modules whose forward has glue to quantize, layers
-    whose output a float op reads (:mod:`lq.glue._outputs`), names of modules that already have glue quantizers,
-    one note per module that may hold glue but cannot be analysed, and (where ``optional`` quantizes activations)
-    the SiLU/HardSwish modules that read a stem onnxruntime runs in float (:func:`lq.glue._outputs.float_stem`):
-    they stay float, so the stem's output needs no quantizer. ``graphs``: filled with ``{id(module): its traced
-    forward}`` for every module traced."""
+    """``(plans, outputs, already, notes)``: modules whose forward has glue to quantize, layers whose output a
+    float op reads (:mod:`lq.glue._outputs`), names of modules that already have glue quantizers, and one note per
+    module that may hold glue but cannot be analysed. ``graphs``: filled with ``{id(module): its traced forward}``
+    for every module traced."""
     plans, already = [], []
     outputs: dict[int, OutputSite] = {}
-    stem_activations: dict[int, nn.Module] = {}
-
-    def activation(m):  # a SiLU/HardSwish the recipe quantizes ("mul" in optional: QuantConfig.activations)
-        return "mul" in optional and type(m) in ACTIVATION_MODULE_CLASSES and will_be_quantized(m)
 
     def wants(layer):
         return _outputs.wants_output_quantizer(layer, will_be_quantized) and id(layer) not in outputs
@@ -209,7 +202,6 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
         if type(m) is nn.Sequential and selected(name):
             outputs.update((id(o.layer), o) for o in _outputs.sites_in_sequential(
                 m, name, wants, will_be_quantized, relu_norm=RELU_NORM in optional, sloped=SLOPED in optional))
-            stem_activations.update((id(a), a) for a in _outputs.stem_activations_in_sequential(m, activation))
             continue
         if skip(m) or _is_library(m) or not selected(name):
             continue
@@ -223,7 +215,6 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
         outputs.update((id(o.layer), o) for o in _outputs.sites_in_graph(m, name, graph, wants, will_be_quantized,
                                                                           relu_norm=RELU_NORM in optional,
                                                                           sloped=SLOPED in optional))
-        stem_activations.update((id(a), a) for a in _outputs.stem_activations_in_graph(m, graph, activation))
         sites = find_sites(graph, _tie(m, graph, will_be_quantized), m, optional)
         if sites:
             plans.append(GluePlan(name, m, graph, sites))
@@ -231,4 +222,4 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
              f"{f' x{len(names)}' if len(names) > 1 else ''}): {why}; any +, torch.cat or matmul in its forward "
              "stays float (lq.nn.QuantAdd / QuantCat quantize them explicitly)"
              for (cls, why), names in refused.items()]
-    return plans, list(outputs.values()), already, notes, list(stem_activations.values())
+    return plans, list(outputs.values()), already, notes

@@ -195,31 +195,6 @@ def pooled_stems(model: nn.Module, graphs: dict) -> set[int]:
     return out
 
 
-def stem_activations_in_sequential(seq: nn.Sequential, activation) -> list[nn.Module]:
-    """The ``activation(m)`` children that read a :func:`float_stem` (directly or through its BatchNorm) in a row
-    of an ``nn.Sequential``."""
-    items = list(seq._modules.values())
-    out = []
-    for i, layer in enumerate(items):
-        if float_stem(layer):
-            j = i + 1 if i + 1 < len(items) and isinstance(items[i + 1], FOLDED_NORMS) else i
-            if j + 1 < len(items) and activation(items[j + 1]):
-                out.append(items[j + 1])
-    return out
-
-
-def stem_activations_in_graph(parent: nn.Module, graph: fx.Graph, activation) -> list[nn.Module]:
-    """The ``activation(m)`` children that a traced forward calls on a :func:`float_stem`'s output (or its
-    BatchNorm's)."""
-    out = []
-    for n in graph.nodes:
-        if n.op != "call_module" or not float_stem(parent.get_submodule(n.target)):
-            continue
-        at = _folded_norm(n, parent) or n
-        out += [m for m in (parent.get_submodule(u.target) for u in at.users if u.op == "call_module") if activation(m)]
-    return out
-
-
 def has_output_quantizer(layer: nn.Module) -> bool:
     return ATTR in layer._modules
 
