@@ -146,6 +146,29 @@ def test_pytorch_quantizations_recipe_has_no_region():
     assert _input_enabled(m.blocks[0].block[1].pool)
 
 
+class GroupNormStem(nn.Module):
+    """bench.ordinary's depthwise ResNet: stem -> GroupNorm -> SiLU, then ``x + pw(silu(norm(dw(x))))``."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU())
+        self.dw, self.norm, self.pw = nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.GroupNorm(4, 16), nn.Conv2d(16, 16, 1)
+        self.dw2 = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = x + self.pw(nn.functional.silu(self.norm(self.dw(x))))
+        return self.dw2(x)
+
+
+def test_the_region_reaches_through_group_norm_and_ends_at_the_residual_add():
+    m = GroupNormStem()
+    quantize_model(m)
+    assert not _input_enabled(m.stem[0]) and not _input_enabled(m.dw)  # float: GroupNorm keeps the region
+    assert _input_enabled(m.pw) and all(q.is_enabled for q in m.lq_glue.values())
+    assert _input_enabled(m.dw2)  # reads the add's integers
+
+
 class Untraceable(nn.Module):
     """A forward fx cannot follow (a branch on a value): the walk cannot see what reads the stem, so only the
     stem's own Sequential is followed."""

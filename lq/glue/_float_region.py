@@ -16,7 +16,7 @@ operands). ``bench.library``'s EfficientNet-style net, first block in float: 0.9
 The walk follows values from the model input through the module tree as the forwards call it (the per-module
 fx graphs the glue traced), like :mod:`lq.glue._nonneg`. A value is in the region when it is the model input, a
 float stem's output (one a max pool does not read: :func:`lq.glue._outputs.pooled_stems`), or computed from
-one by elementwise activations, BatchNorm, pooling, reshapes, a squeeze-excite product, or a conv that
+one by elementwise activations, normalizations (BatchNorm, GroupNorm, LayerNorm), pooling, reshapes, a squeeze-excite product, or a conv that
 onnxruntime runs faster in float. A layer joins only if every call of it reads the region; anything lq cannot
 follow (an untraceable forward, an unknown function) ends the region, which is today's placement.
 """
@@ -39,13 +39,15 @@ from lq.rules.onnxruntime import ort_prefers_float_conv
 #: value-wise modules (activations, normalization by running statistics, reshapes): a float input stays float
 _ELEMENTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.SiLU, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.GELU, nn.Tanh,
                         nn.Mish, nn.ELU, nn.LeakyReLU, nn.PReLU, nn.Identity, nn.Flatten, nn.Dropout, nn.Dropout1d,
-                        nn.Dropout2d, nn.Dropout3d) + FOLDED_NORMS
+                        nn.Dropout2d, nn.Dropout3d, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
+                        nn.InstanceNorm3d) + FOLDED_NORMS
 _POOLS = MAX_POOLS + (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
                       nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
 _ELEMENTWISE_FUNCTIONS = {F.relu, torch.relu, F.relu6, F.silu, F.hardswish, F.hardsigmoid, torch.sigmoid, F.sigmoid,
                           F.gelu, torch.tanh, F.mish, F.elu, F.leaky_relu, F.dropout, torch.flatten, torch.reshape,
                           torch.squeeze, torch.unsqueeze, torch.mean, operator.getitem, F.max_pool1d, F.max_pool2d,
-                          F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d}
+                          F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
+                          F.group_norm, F.layer_norm}
 _ELEMENTWISE_METHODS = {"relu", "relu_", "sigmoid", "tanh", "flatten", "reshape", "view", "squeeze", "unsqueeze",
                         "mean", "contiguous", "clone", "__getitem__"}
 #: why such a layer is float, for the summary
