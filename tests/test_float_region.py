@@ -22,12 +22,12 @@ torch.set_flush_denormal(True)
 class Block(nn.Module):
     """MBConv: [1x1 expand], depthwise, squeeze-excite, 1x1 project, ``+`` where the shapes allow."""
 
-    def __init__(self, i, o, expand):
+    def __init__(self, i, o, expand, squeeze=4):
         super().__init__()
         e = i * expand
         self.res = i == o
         self.block = nn.Sequential(*([ConvBNAct(i, e)] if expand > 1 else []), ConvBNAct(e, e, 3, groups=e),
-                                   SE(e, 4), ConvBNAct(e, o, act=None))
+                                   SE(e, squeeze), ConvBNAct(e, o, act=None))
 
     def forward(self, x):
         y = self.block(x)
@@ -35,10 +35,10 @@ class Block(nn.Module):
 
 
 class MobileNet(nn.Module):
-    def __init__(self, first_out=8):
+    def __init__(self, first_out=8, squeeze=4):
         super().__init__()
         self.stem = ConvBNAct(1, 16, 3)
-        self.blocks = nn.Sequential(Block(16, first_out, 1), Block(first_out, 16, 4))
+        self.blocks = nn.Sequential(Block(16, first_out, 1), Block(first_out, 16, 4, squeeze))
         self.head = nn.Linear(16, 10)
 
     def forward(self, x):
@@ -120,6 +120,19 @@ def test_the_file_runs_the_region_in_float_and_the_rest_on_integers(tmp_path):
     assert kernels[("blocks.1.block.1.0", "Conv")] == "QLinearConv", kernels  # this depthwise reads integers
     ops = optimized_op_counts(res.path)
     assert ops.get("QLinearMul") == 1 and ops.get("Mul") == 1, ops  # block 1's product float, block 2's integer
+    se = [k for k in res.layer_kernels if k.layer.startswith("blocks.0.block.1.fc")]
+    assert len(se) == 2 and all(k.by_choice and "input quantizer is off" in k.reason for k in se), se
+    assert not any("conv/gemm/matmul in float" in w for w in res.warnings), res.warnings  # no failed fusion
+
+
+def test_a_small_conv_reading_integers_runs_float_but_starts_no_region():
+    """A squeeze-excite squeezed to 2 channels after the region: its expanding 1x1 conv has a stem's shape and
+    runs in float (lq.glue._outputs.float_stem), but its output is no region: the product stays quantized."""
+    m = MobileNet(squeeze=2)
+    quantize_model(m)
+    se = m.blocks[1].block[2]
+    assert not _input_enabled(se.fc2) and _input_enabled(se.fc1)
+    assert all(q.is_enabled for q in se.lq_glue.values())
 
 
 def test_a_residual_add_ends_the_region():

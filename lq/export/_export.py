@@ -103,7 +103,7 @@ def export_onnx(model, sample_input, path=None, config: ExportConfig | None = No
 
     proto, rewrite = _pipeline.rewrite(traced.proto, cfg, prep.opset)
     notes += rewrite.notes
-    seen = _report.inspect(proto, cfg)  # before the finish strips the metadata that names the layers
+    seen = _report.inspect(proto, cfg, prep.work)  # before the finish strips the metadata that names the layers
     notes += _report.encoding_notes(rewrite, seen, cfg)
     proto, opset = _finish.finish(proto, cfg, prep.opset, seen.risks, notes)
     export_seconds = time.perf_counter() - t0

@@ -60,10 +60,13 @@ _GLOBAL_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3
 _GLOBAL_POOL_FUNCTIONS = {F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.adaptive_max_pool1d,
                           F.adaptive_max_pool2d, F.adaptive_max_pool3d}
 
-#: a value's place: outside the region (quantized where a layer reads it), a map in the region, or a vector in
-#: the region (a region map pooled to one value per channel: a squeeze-excite branch, whose 1x1 convs or linears
-#: have nothing to gain from integer kernels and would only add Q/DQ and layout changes; they stay float too)
-OUT, MAP, VECTOR = 0, 1, 2
+#: a value's place: outside the region (quantized where a layer reads it), a map in the region, a vector in the
+#: region (a region map pooled to one value per channel: a squeeze-excite branch, whose 1x1 convs or linears have
+#: nothing to gain from integer kernels and would only add Q/DQ and layout changes; they stay float too), or
+#: unknown (inside a forward lq cannot follow: outside, except that a stem reading it is taken to read the
+#: model's input, as it does in every net lq has seen)
+OUT, MAP, VECTOR, UNKNOWN = 0, 1, 2, 3
+_INSIDE = (MAP, VECTOR)
 
 
 @dataclasses.dataclass
@@ -120,21 +123,24 @@ class FloatRegion:
         from lq.glue import _plain_sequential
 
         if isinstance(m, OUTPUT_LAYERS + (nn.Linear,)) and self.will_be_quantized(m):
-            if isinstance(m, OUTPUT_LAYERS) and float_stem(m):
-                place = OUT if id(m) in self.pooled else MAP  # reads the model input, whatever the walk knows
-            elif not (place == VECTOR or place == MAP and isinstance(m, OUTPUT_LAYERS)
-                      and ort_prefers_float_conv(m.in_channels // m.groups, m.kernel_size)):
+            if isinstance(m, OUTPUT_LAYERS) and float_stem(m) and place != VECTOR:
+                # a stem on the float input starts the region; the same small conv reading integers runs in
+                # float too (lq.glue._outputs.float_stem), but its output is no region: what reads it stays as it is
+                self._vote(id(m), "convs", id(m) not in self.pooled)
+                return MAP if place in (MAP, UNKNOWN) and id(m) not in self.pooled else OUT
+            if not (place == VECTOR or place == MAP and isinstance(m, OUTPUT_LAYERS)
+                    and ort_prefers_float_conv(m.in_channels // m.groups, m.kernel_size)):
                 place = OUT
-            self._vote(id(m), "convs", place != OUT)
+            self._vote(id(m), "convs", place in _INSIDE)
             return place
         if isinstance(m, _POOLS) or type(m) in ACTIVATION_MODULE_CLASSES:
             if self.will_be_quantized(m):
-                self._vote(id(m), "modules", place != OUT)
-            if place != OUT and isinstance(m, _GLOBAL_POOLS) and _global(m.output_size):
+                self._vote(id(m), "modules", place in _INSIDE)
+            if place in _INSIDE and isinstance(m, _GLOBAL_POOLS) and _global(m.output_size):
                 return VECTOR
             return place
         if isinstance(m, _ELEMENTWISE_MODULES) and not self.will_be_quantized(m):
-            self._vote(id(m), "outputs", place != OUT)
+            self._vote(id(m), "outputs", place in _INSIDE)
             return place
         if _plain_sequential(m):  # its children in a row
             for child in m._modules.values():
@@ -143,7 +149,7 @@ class FloatRegion:
         graph = self.graphs.get(id(m))
         if graph is None or id(m) in self._active:
             for child in m._modules.values():  # cannot follow its forward: only float stems inside start a region
-                self.module(child, OUT)
+                self.module(child, UNKNOWN)
             return OUT
         self._active.add(id(m))
         try:
@@ -158,7 +164,7 @@ class FloatRegion:
         first = True
         for n in graph.nodes:
             if n.op == "placeholder":
-                env[n] = place if first else OUT
+                env[n] = place if first else UNKNOWN if place == UNKNOWN else OUT
                 first = False
                 continue
             if n.op == "output":
@@ -169,7 +175,7 @@ class FloatRegion:
             site = by_node.get(n)
             if site is not None:
                 places = [env.get(op, OUT) for op in site.operands]
-                floats = site.rule.kind in _FLOAT_GLUE_KINDS and any(p != OUT for p in places)
+                floats = site.rule.kind in _FLOAT_GLUE_KINDS and any(p in _INSIDE for p in places)
                 self._vote((id(m), site.name), "sites", floats)
                 env[n] = OUT if not floats else VECTOR if all(p == VECTOR for p in places) or (
                     n.target in _GLOBAL_POOL_FUNCTIONS and _global(n.args[1] if len(n.args) > 1

@@ -32,8 +32,12 @@ ON_THE_MEAN = ("float by choice: a 1x1 conv whose output was averaged now runs o
 HEAD_BY_CHOICE = (f"float by choice: a model output with fewer than {ORT_INT8_HEAD_MIN_OUT_CHANNELS} output channels, "
                   "where onnxruntime's float conv is faster than QLinearConv (which would also need a Q/DQ pair "
                   "on the output)")
+#: the reason of a layer whose input quantizer is off: lq turns it off in the float region after a float stem
+#: (lq/glue/_float_region.py: a squeeze-excite branch's 1x1 convs there), or the user did
+INPUT_OFF = ("float by choice: its input quantizer is off (lq does that in the float region after a float stem, "
+             "where onnxruntime's float kernels are faster: lq/glue/_float_region.py)")
 #: reasons of convs the export left float on purpose, because that is faster
-CHOSEN = (BY_CHOICE, ON_THE_MEAN, HEAD_BY_CHOICE)
+CHOSEN = (BY_CHOICE, ON_THE_MEAN, HEAD_BY_CHOICE, INPUT_OFF)
 
 #: exported ops a layer's kernel is reported for (the compute ops and the quantized joins/pools)
 COMPUTE = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -66,10 +70,12 @@ class LayerKernel:
         return self.kernel if self.integer else f"{self.kernel} (float: {self.reason})"
 
 
-def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: dict | None = None) -> str | None:
+def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: dict | None = None,
+                 input_off: frozenset = frozenset()) -> str | None:
     """Why onnxruntime cannot fuse ``n`` into an integer kernel, read from the exported graph (None: it can).
 
-    Readers are named by the PyTorch module they come from (``layer_of``) where known, else by op type."""
+    Readers are named by the PyTorch module they come from (``layer_of``) where known, else by op type;
+    ``input_off``: the layers whose input quantizer the model has turned off."""
     if n.op_type == "Conv" and len(n.input) > 1 and FLOAT_BY_CHOICE in n.input[1]:
         return BY_CHOICE
     if n.op_type == "Conv" and prod.get(n.input[0]) is not None and MEAN_FIRST in prod[n.input[0]].name:
@@ -77,7 +83,7 @@ def float_reason(n: onnx.NodeProto, g: Graph, prod: dict, cons: dict, layer_of: 
     data_inputs = n.input[:2] if n.op_type in COMPUTE else [i for i in n.input if i and not g.is_const(i)]
     data_inputs = [i for i in data_inputs if not _float_weights(i)]  # dequantized by the export: quantized
     if any(prod.get(i) is None or prod[i].op_type != "DequantizeLinear" for i in data_inputs):
-        return "input or weight is not quantized"
+        return INPUT_OFF if (layer_of or {}).get(n.name) in input_off else "input or weight is not quantized"
     users = cons.get(n.output[0], [])
     if n.op_type in ("Gemm", "MatMul") and not users and n.output[0] in g.graph_outputs:
         return None  # onnxruntime's QGemm / MatMulIntegerToFloat give a float output directly
@@ -129,14 +135,14 @@ def _float_weights(name: str) -> bool:
     return any(m in name for m in FLOAT_MARKERS)
 
 
-def unfused_layers(model: onnx.ModelProto, layer_of: dict[str, str]) -> list[str]:
+def unfused_layers(model: onnx.ModelProto, layer_of: dict[str, str], input_off: frozenset = frozenset()) -> list[str]:
     """Conv/Gemm/MatMul nodes (loop bodies included) onnxruntime cannot turn into an INT8 kernel, with the reason."""
     out = []
     for g in _graphs(model):
         prod, cons = g.producers(), g.consumers()
         for n in g.nodes:
             if n.op_type in COMPUTE:
-                why = float_reason(n, g, prod, cons, layer_of)
+                why = float_reason(n, g, prod, cons, layer_of, input_off)
                 if why and why not in CHOSEN:
                     out.append(f"{layer_of.get(n.name) or n.name}: {why}")
     return out
@@ -184,13 +190,15 @@ def _runs_as(n: onnx.NodeProto, opt_by_name: dict, opt_cons: dict, prod: dict) -
     return "unknown"
 
 
-def layer_kernels(model: onnx.ModelProto, optimized: onnx.ModelProto, layer_of: dict[str, str]) -> list[LayerKernel]:
+def layer_kernels(model: onnx.ModelProto, optimized: onnx.ModelProto, layer_of: dict[str, str],
+                  input_off: frozenset = frozenset()) -> list[LayerKernel]:
     """For every quantized compute op (and quantized join or pool) of ``model``, loop bodies included: what
-    onnxruntime runs."""
-    return _kernels(Graph(model), optimized.graph, model, layer_of)
+    onnxruntime runs (``input_off``: the layers whose input quantizer the model has turned off)."""
+    return _kernels(Graph(model), optimized.graph, model, layer_of, input_off)
 
 
-def _kernels(g: Graph, optimized: onnx.GraphProto, model: onnx.ModelProto, layer_of: dict) -> list[LayerKernel]:
+def _kernels(g: Graph, optimized: onnx.GraphProto, model: onnx.ModelProto, layer_of: dict,
+             input_off: frozenset) -> list[LayerKernel]:
     """:func:`layer_kernels` of one graph ``g`` against its optimized twin; a loop's body against the body of
     the optimized loop of the same name."""
     prod, cons = g.producers(), g.consumers()
@@ -206,7 +214,7 @@ def _kernels(g: Graph, optimized: onnx.GraphProto, model: onnx.ModelProto, layer
             if a.type == onnx.AttributeProto.GRAPH and opt_loop is not None:
                 twin = next((b.g for b in opt_loop.attribute if b.name == a.name and b.type == a.type), None)
                 if twin is not None:
-                    out.extend(_kernels(Graph(as_model(a.g, model)), twin, model, layer_of))
+                    out.extend(_kernels(Graph(as_model(a.g, model)), twin, model, layer_of, input_off))
         if n.op_type == RUNTIME_QUANTIZED_LSTM:  # quantizes its own activations: no Q/DQ around it
             kernel = opt_by_name[n.name].op_type if n.name in opt_by_name else n.op_type
             out.append(LayerKernel(layer_of.get(n.name) or n.name, n.op_type, kernel,
@@ -222,6 +230,7 @@ def _kernels(g: Graph, optimized: onnx.GraphProto, model: onnx.ModelProto, layer
         kernel = _runs_as(n, opt_by_name, opt_cons, prod)
         reason = None
         if kernel not in INT8_KERNELS:
-            reason = float_reason(n, g, prod, cons, layer_of) or "onnxruntime did not fuse it (see its optimized graph)"
+            reason = float_reason(n, g, prod, cons, layer_of, input_off) or \
+                "onnxruntime did not fuse it (see its optimized graph)"
         out.append(LayerKernel(layer_of.get(n.name) or n.name, n.op_type, kernel, reason))
     return out

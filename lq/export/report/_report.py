@@ -12,6 +12,7 @@ import os
 from collections import Counter
 
 import onnx
+from torch import nn
 
 from lq.config import ExportConfig
 from lq.export._files import short
@@ -21,6 +22,7 @@ from lq.export.passes._pipeline import Rewrite
 from lq.export.report import _kernel_report
 from lq.export.report._result import ExportResult
 from lq.export.verify import _verify
+from lq.nn import QuantMixin, TensorQuantizer
 
 
 @dataclasses.dataclass
@@ -28,14 +30,19 @@ class Inspected:
     """What the report reads from the rewritten graph while its nodes still carry the layers' names."""
 
     layer_of: dict  # node name -> PyTorch layer
+    input_off: frozenset  # layers whose input quantizer the model turned off (the float region after a stem)
     unfused: list  # quantized layers onnxruntime cannot fuse, predicted from the file
     risks: list  # integer kernels that could saturate int16 without VNNI
 
 
-def inspect(proto: onnx.ModelProto, cfg: ExportConfig) -> Inspected:
+def inspect(proto: onnx.ModelProto, cfg: ExportConfig, model: nn.Module) -> Inspected:
+    """``model``: the exported (working) copy, whose layers the graph's names refer to."""
     layer_of = {n.name: layer_name(n) for n in all_nodes(proto.graph)}
-    unfused = _kernel_report.unfused_layers(proto, layer_of) if cfg.target == "onnxruntime" else []
-    return Inspected(layer_of=layer_of, unfused=unfused, risks=_int16.int16_risks(proto))
+    input_off = frozenset(name for name, m in model.named_modules() if isinstance(m, QuantMixin)
+                          and isinstance(getattr(m, "_input_quantizer", None), TensorQuantizer)
+                          and not m._input_quantizer.is_enabled)
+    unfused = _kernel_report.unfused_layers(proto, layer_of, input_off) if cfg.target == "onnxruntime" else []
+    return Inspected(layer_of=layer_of, input_off=input_off, unfused=unfused, risks=_int16.int16_risks(proto))
 
 
 def encoding_notes(r: Rewrite, seen: Inspected, cfg: ExportConfig) -> list[str]:
@@ -78,7 +85,7 @@ def kernels(proto: onnx.ModelProto, cfg: ExportConfig, providers: list, seen: In
         optimized = _verify.optimized_model(cfg.path, providers)
         ort_ops = Counter(n.op_type for n in all_nodes(optimized.graph))  # loop bodies too
         if cfg.target == "onnxruntime":
-            found = _kernel_report.layer_kernels(proto, optimized, seen.layer_of)
+            found = _kernel_report.layer_kernels(proto, optimized, seen.layer_of, seen.input_off)
     except Exception as e:  # pragma: no cover - diagnostics only
         notes.append(f"could not inspect onnxruntime's optimized graph: {short(e)}")
     if cfg.target == "onnxruntime" and ort_ops:
