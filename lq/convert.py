@@ -567,6 +567,7 @@ def quantize_model(
     pool_pairs: list = []
     sibling_pairs: list = []
     region = None  # what stays float at the model's input (lq.glue._float_region), onnxruntime recipe only
+    region_names: list[str] = []  # the quantizers it leaves out (input quantizers of its modules, output ones)
     argument_pairs: list = []
     unsigned: set[str] = set()
     if glue or unsigned_after_relu:
@@ -585,6 +586,8 @@ def quantize_model(
             for t in [t for t in targets.values() if id(t.module) in region.modules]:
                 del targets[id(t.module)]
                 layers[t.row] = LayerSummary.of(t.name, t.module, f"float: {_float_region.REASON}")
+                region_names.append(f"{t.name}._input_quantizer")
+            region_names += [o.path for o in glue_outputs if region.writes_float(o.layer)]
             glue_outputs = [o for o in glue_outputs if not region.writes_float(o.layer)]
         if glue and activations:  # a max pool and its reader, and readers of one tensor, on one grid
             pool_pairs = _pool_grid.pool_readers(model, graphs, will_be_quantized)
@@ -695,6 +698,8 @@ def quantize_model(
         for parent, attr in t.locations:
             parent._modules[attr] = t.new
         layers[t.row] = LayerSummary.of(t.name, t.new, "quantized")
+    if region_names:  # checkpoints of an lq that quantized them still load
+        model.register_load_state_dict_pre_hook(_float_region.OldQuantizerKeys(region_names))
     if pool_pairs:
         _pool_grid.share(pool_pairs, converted)
     if sibling_pairs:

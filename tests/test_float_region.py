@@ -203,3 +203,21 @@ def test_an_untraceable_forward_keeps_the_stem_and_its_activation_float_and_noth
     quantize_model(m)
     assert not _input_enabled(m.stem[0]) and type(m.stem[2]) is nn.SiLU
     assert _input_enabled(m.dw[0]) and type(m.dw[2]) is not nn.SiLU
+
+
+def test_a_checkpoint_of_an_lq_that_quantized_the_region_loads():
+    """An earlier lq quantized the region's activations and pool and put an output quantizer on the gate's conv:
+    their entries are dropped on load (those layers run in float now); any other unexpected entry still fails."""
+    m = MobileNet()
+    quantize_model(m)
+    old = dict(m.state_dict())
+    for path in ("blocks.0.block.0.2._input_quantizer", "blocks.0.block.1.pool._input_quantizer",
+                 "blocks.0.block.1.act._input_quantizer", "blocks.0.block.1.fc2._output_quantizer"):
+        old[f"{path}._amax"] = torch.tensor(2.0)
+    fresh = MobileNet()
+    quantize_model(fresh)
+    fresh.load_state_dict(old)  # strict
+    for k, v in m.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[k], v)
+    with pytest.raises(RuntimeError, match="blocks.1.block.1.2._input_quantizer._nonsense"):
+        fresh.load_state_dict({**old, "blocks.1.block.1.2._input_quantizer._nonsense": torch.tensor(1.0)})

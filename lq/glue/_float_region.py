@@ -190,6 +190,21 @@ class FloatRegion:
         return OUT
 
 
+class OldQuantizerKeys:
+    """A load-state-dict pre-hook for the model: drops the entries of the quantizers the region leaves out
+    (``paths``, relative to the model: input quantizers of its activations and pools, output quantizers), which a
+    checkpoint of an earlier lq, that had them, holds. Their values are not needed: those layers run in float."""
+
+    def __init__(self, paths: list[str]):
+        self.paths = tuple(paths)
+
+    def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                 error_msgs) -> None:
+        starts = tuple(f"{prefix}{p}." for p in self.paths)
+        for k in [k for k in state_dict if k.startswith(starts)]:
+            del state_dict[k]
+
+
 def float_region(model: nn.Module, graphs: dict, plans: list, will_be_quantized, pooled: set[int]) -> Region:
     """:class:`Region` of ``model``: ``graphs`` the traced forwards by module id, ``plans`` the glue plans
     (:class:`lq.glue.GluePlan`), ``pooled`` the float stems that stay integer. Run before the plans are built."""
