@@ -10,46 +10,39 @@ batch 32, 0.33 ms against 0.10 ms in float) and a QLinearMul whose per-channel b
 0.29 ms against 0.05 ms for the float Mul (AVX-512 VNNI). So the float input extends as far as such layers
 read it, and the file's integers begin at the input quantizer of the first layer that runs faster on integers:
 a dense conv with 4 or more input channels per group, a linear layer, an add or a cat (which quantize their
-operands). ``bench.library``'s EfficientNet-style net, first block in float: 0.94/1.00/1.10x FP32 at batch
-1/8/32 became 1.04/1.12/1.23x.
+operands). ``bench.library``'s EfficientNet-style net (AVX-512 VNNI): 0.94/1.07/1.13x FP32 at batch 1/8/32
+before, 1.02/1.24/1.30x with the region (docs/results/library.md).
 
 The walk follows values from the model input through the module tree as the forwards call it (the per-module
 fx graphs the glue traced), like :mod:`lq.glue._nonneg`. A value is in the region when it is the model input, a
 float stem's output (one a max pool does not read: :func:`lq.glue._outputs.pooled_stems`), or computed from
-one by elementwise activations, normalizations (BatchNorm, GroupNorm, LayerNorm), pooling, reshapes, a squeeze-excite product, or a conv that
-onnxruntime runs faster in float. A layer joins only if every call of it reads the region; anything lq cannot
+one by activations, normalizations (BatchNorm, GroupNorm, LayerNorm), pooling, reshapes, a squeeze-excite
+product, or a conv that onnxruntime runs faster in float. A layer joins only if every call of it reads the region; anything lq cannot
 follow (an untraceable forward, an unknown function) ends the region, which is today's placement.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import operator
 
-import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from lq.glue._outputs import MAX_POOLS, float_stem
-from lq.glue._rules import FOLDED_NORMS, OUTPUT_LAYERS
+from lq.glue._nonneg import (KEEP_FUNCTIONS, KEEP_METHODS, KEEP_MODULES, POOL_MODULES, RELU_FUNCTIONS,
+                             RELU_METHODS)
+from lq.glue._outputs import float_stem
+from lq.glue._rules import (FLOAT_READER_FUNCTIONS, FLOAT_READER_METHODS, FLOAT_READER_MODULES, FOLDED_NORMS,
+                            OUTPUT_LAYERS, RELU_MODULES, SLOPED_FUNCTIONS, SLOPED_MODULES)
 from lq.nn.modules.quant_activation import ACTIVATION_MODULE_CLASSES
 from lq.rules.onnxruntime import ort_prefers_float_conv
 
-#: value-wise modules (activations, normalization by running statistics, reshapes): a float input stays float
-_ELEMENTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.SiLU, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.GELU, nn.Tanh,
-                        nn.Mish, nn.ELU, nn.LeakyReLU, nn.PReLU, nn.Identity, nn.Flatten, nn.Dropout, nn.Dropout1d,
-                        nn.Dropout2d, nn.Dropout3d, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
-                        nn.InstanceNorm3d) + FOLDED_NORMS
-_POOLS = MAX_POOLS + (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
-                      nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
-_ELEMENTWISE_FUNCTIONS = {F.relu, torch.relu, F.relu6, F.silu, F.hardswish, F.hardsigmoid, torch.sigmoid, F.sigmoid,
-                          F.gelu, torch.tanh, F.mish, F.elu, F.leaky_relu, F.dropout, torch.flatten, torch.reshape,
-                          torch.squeeze, torch.unsqueeze, torch.mean, operator.getitem, F.max_pool1d, F.max_pool2d,
-                          F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
-                          F.group_norm, F.layer_norm}
-_ELEMENTWISE_METHODS = {"relu", "relu_", "sigmoid", "tanh", "flatten", "reshape", "view", "squeeze", "unsqueeze",
-                        "mean", "contiguous", "clone", "__getitem__"}
+#: ops whose output is computed in float from their input alone (activations, normalizations, reshapes, max pooling;
+#: the glue's table of float readers and the sign-keeping ops of :mod:`lq.glue._nonneg`): a float input stays float
+_ELEMENTWISE_MODULES = (FLOAT_READER_MODULES + RELU_MODULES + SLOPED_MODULES + FOLDED_NORMS + KEEP_MODULES
+                        + (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d))
+_ELEMENTWISE_FUNCTIONS = FLOAT_READER_FUNCTIONS | SLOPED_FUNCTIONS | RELU_FUNCTIONS | KEEP_FUNCTIONS | {F.hardsigmoid}
+_ELEMENTWISE_METHODS = FLOAT_READER_METHODS | RELU_METHODS | KEEP_METHODS
 #: why such a layer is float, for the summary
 REASON = "in the float region after the stem, where onnxruntime runs faster in float (lq.glue._float_region)"
 #: glue kinds that run in float when an operand is in the region (a squeeze-excite product, an average pool);
@@ -57,6 +50,8 @@ REASON = "in the float region after the stem, where onnxruntime runs faster in f
 _FLOAT_GLUE_KINDS = frozenset({"mul", "pool"})
 _GLOBAL_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
                  nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
+#: pools: lq quantizes the input of the average and max pools (:data:`lq.glue._nonneg.POOL_MODULES`)
+_POOLS = POOL_MODULES + _GLOBAL_POOLS
 _GLOBAL_POOL_FUNCTIONS = {F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.adaptive_max_pool1d,
                           F.adaptive_max_pool2d, F.adaptive_max_pool3d}
 

@@ -25,27 +25,26 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from lq.glue._rules import INPUT_QUANTIZER, TIED_LAYERS
+from lq.glue._rules import INPUT_QUANTIZER, RELU_MODULES, TIED_LAYERS
 from lq.nn.modules.quant_elementwise import FloatAdd, FloatCat
 
 #: outputs >= 0 whatever the input
-_RELUS_MODULES = (nn.ReLU, nn.ReLU6)
-_RELUS_FUNCTIONS = {F.relu, torch.relu, F.relu6}
-_RELUS_METHODS = {"relu", "relu_"}
+RELU_FUNCTIONS = {F.relu, torch.relu, F.relu6}
+RELU_METHODS = {"relu", "relu_"}
 #: outputs >= 0 when the (first) input is
-_KEEP_MODULES = (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.Flatten, nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d,
+KEEP_MODULES = (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.Flatten, nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d,
                  nn.Dropout3d)
 #: quantized by lq (an ``_input_quantizer``) and sign-keeping
-_POOL_MODULES = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+POOL_MODULES = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
                  nn.AdaptiveAvgPool3d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
 #: quantized by lq with one ``_input_quantizer`` on their (first) input
-_INPUT_QUANTIZED = TIED_LAYERS + (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d) + _POOL_MODULES
-_KEEP_FUNCTIONS = {F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d,
+_INPUT_QUANTIZED = TIED_LAYERS + (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d) + POOL_MODULES
+KEEP_FUNCTIONS = {F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d,
                    F.adaptive_max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
                    F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.dropout, torch.flatten, torch.reshape,
                    torch.permute, torch.transpose, torch.squeeze, torch.unsqueeze, torch.mean,
                    operator.getitem}
-_KEEP_METHODS = {"flatten", "reshape", "view", "permute", "transpose", "contiguous", "squeeze", "unsqueeze",
+KEEP_METHODS = {"flatten", "reshape", "view", "permute", "transpose", "contiguous", "squeeze", "unsqueeze",
                  "mean", "clone", "__getitem__"}
 _SUMS = {operator.add, torch.add, torch.cat, torch.concat, torch.concatenate}
 
@@ -76,12 +75,12 @@ class NonNegative:
     # ------------------------------------------------------------------ modules
     def module(self, m: nn.Module, path: str, nonneg_in: bool) -> bool:
         """Whether ``m``'s output is non-negative, given whether its first input is."""
-        if isinstance(m, _RELUS_MODULES):
+        if isinstance(m, RELU_MODULES):
             return True
         if isinstance(m, _INPUT_QUANTIZED) and self.will_be_quantized(m):
             self._vote(f"{path}.{INPUT_QUANTIZER}" if path else INPUT_QUANTIZER, nonneg_in)
-            return nonneg_in and isinstance(m, _POOL_MODULES)
-        if isinstance(m, _KEEP_MODULES + _POOL_MODULES):
+            return nonneg_in and isinstance(m, POOL_MODULES)
+        if isinstance(m, KEEP_MODULES + POOL_MODULES):
             return nonneg_in
         if type(m) is nn.Sequential:
             for name, child in m._modules.items():
@@ -147,11 +146,11 @@ class NonNegative:
                 if isinstance(child, _INPUT_QUANTIZED) and self.will_be_quantized(child) and isinstance(a0, fx.Node):
                     readers.setdefault(a0, []).append(q)
                 env[n] = self.module(child, child_path, arg_nonneg)
-            elif n.op == "call_function" and n.target in _RELUS_FUNCTIONS or \
-                    n.op == "call_method" and n.target in _RELUS_METHODS:
+            elif n.op == "call_function" and n.target in RELU_FUNCTIONS or \
+                    n.op == "call_method" and n.target in RELU_METHODS:
                 env[n] = True
-            elif n.op == "call_function" and n.target in _KEEP_FUNCTIONS or \
-                    n.op == "call_method" and n.target in _KEEP_METHODS or _interpolates(n):
+            elif n.op == "call_function" and n.target in KEEP_FUNCTIONS or \
+                    n.op == "call_method" and n.target in KEEP_METHODS or _interpolates(n):
                 env[n] = arg_nonneg
             elif n.op == "call_function" and n.target in _SUMS or n.op == "call_method" and n.target == "add":
                 tensors = _tensor_args(n)

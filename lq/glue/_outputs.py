@@ -16,7 +16,8 @@ from torch import nn
 
 from lq.rules.onnxruntime import ort_prefers_float_conv
 from lq.glue._rules import (FLOAT_READER_FUNCTIONS, FLOAT_READER_METHODS, FLOAT_READER_MODULES, FOLDED_NORMS,
-                            OUTPUT_LAYERS, RELU_MODULES, SLOPED_FUNCTIONS, SLOPED_MODULES)
+                            MAX_POOL_FUNCTIONS, MAX_POOLS, OUTPUT_LAYERS, RELU_MODULES, SLOPED_FUNCTIONS,
+                            SLOPED_MODULES)
 
 ATTR = "_output_quantizer"
 _HOOK_ID = "_lq_output_hook"
@@ -155,10 +156,6 @@ def float_stem(layer: nn.Module) -> bool:
             and ort_prefers_float_conv(layer.in_channels, layer.kernel_size))
 
 
-MAX_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
-_POOL_FUNCTIONS = {nn.functional.max_pool1d, nn.functional.max_pool2d, nn.functional.max_pool3d}
-
-
 def pooled_stems(model: nn.Module, graphs: dict) -> set[int]:
     """Ids of the :func:`float_stem` convs whose output a max pool reads (through their BatchNorm and ReLU): such
     a stem stays integer with its input quantized. In float its output leaves the conv in NCHW, and onnxruntime
@@ -189,7 +186,7 @@ def pooled_stems(model: nn.Module, graphs: dict) -> set[int]:
         for n in graph.nodes:
             stem = stem_block(m.get_submodule(n.target)) if n.op == "call_module" else None
             if stem is not None and any(
-                    (u.op == "call_function" and u.target in _POOL_FUNCTIONS)
+                    (u.op == "call_function" and u.target in MAX_POOL_FUNCTIONS)
                     or (u.op == "call_module" and isinstance(m.get_submodule(u.target), MAX_POOLS)) for u in n.users):
                 out.add(id(stem))
     return out

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lq.glue._rules import INPUT_QUANTIZER, TIED_LAYERS
-
-MAX_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
+from lq.glue._rules import INPUT_QUANTIZER, MAX_POOLS, TIED_LAYERS
 
 
 def pool_readers(model: nn.Module, graphs: dict, will_be_quantized) -> list[tuple[nn.Module, nn.Module]]:

@@ -67,10 +67,10 @@ TIED_LAYERS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linea
                torch.nn.AdaptiveAvgPool1d, torch.nn.AdaptiveAvgPool2d, torch.nn.AdaptiveAvgPool3d)
 #: ops between an operand and that layer that map a grid onto itself (max pooling, nearest upsampling,
 #: reshapes): quantizing before or after them gives the same numbers, so the tie may look through them
-TIE_THROUGH_MODULES = (torch.nn.MaxPool1d, torch.nn.MaxPool2d, torch.nn.MaxPool3d, torch.nn.Flatten,
-                       torch.nn.Identity)
-TIE_THROUGH_FUNCTIONS = {torch.nn.functional.max_pool1d, torch.nn.functional.max_pool2d,
-                         torch.nn.functional.max_pool3d, torch.flatten}
+MAX_POOLS = (torch.nn.MaxPool1d, torch.nn.MaxPool2d, torch.nn.MaxPool3d)
+MAX_POOL_FUNCTIONS = {torch.nn.functional.max_pool1d, torch.nn.functional.max_pool2d, torch.nn.functional.max_pool3d}
+TIE_THROUGH_MODULES = MAX_POOLS + (torch.nn.Flatten, torch.nn.Identity)
+TIE_THROUGH_FUNCTIONS = MAX_POOL_FUNCTIONS | {torch.flatten}
 TIE_THROUGH_METHODS = {"flatten", "view", "reshape", "contiguous"}
 
 #: call_function targets
