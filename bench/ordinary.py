@@ -394,6 +394,13 @@ def _count_kernels(row: dict, name: str, res, export_s: float) -> None:
     if c is not None:  # beside the bench's own timing of the same file (:func:`check_vs_bench`)
         row.setdefault("check", {})[name] = {"ratio": c.ratio, "p25": c.ratio_p25, "p75": c.ratio_p75,
                                              "noisy": c.noisy, "batch": c.batch, "reference": c.reference}
+    fb = getattr(res, "fallback", None)
+    if fb is not None:  # the export's measured fallback ran: what it kept (the file is the one it saved)
+        row.setdefault("fallback", {})[name] = {"layers": list(fb.layers), "before": fb.before.ratio,
+                                                "after": fb.after.ratio, "tries": len(fb.tries)}
+        check += (f"; its fallback sent {', '.join(fb.layers)} back to float ({fb.before.ratio:.2f}x -> "
+                  f"{fb.after.ratio:.2f}x)" if fb.layers else f"; its fallback kept every quantizer "
+                  f"({len(fb.tries)} tries, none faster)")
     row["notes"].append(f"{name}: export {export_s:.1f} s, {sum(k.integer for k in lk)} of "
                         f"{len(lk)} conv/gemm/matmul on integer kernels{check}")
 

@@ -461,6 +461,9 @@ class ExportConfig:
         speed_check: time the file against the plain FP32 export of the same model (onnxruntime, verified).
         speed_batch: the batch size at which the export's speed check times the INT8 file against the plain FP32
             export of the same model (None: the sample batch's size).
+        fallback_seconds: where the speed check finds the INT8 file slower than FP32, the seconds the export may
+            spend exporting, verifying and timing copies with layers sent back to float, to save the fastest
+            (0: keep the file and only warn).
     """
 
     enabled: bool = True
@@ -484,9 +487,11 @@ class ExportConfig:
     keep_metadata: bool = False
     speed_check: bool = True
     speed_batch: Optional[int] = None
+    fallback_seconds: float = 60.0
 
     def __post_init__(self):
         owner = type(self).__name__
+        _positive(owner, "fallback_seconds", self.fallback_seconds, strict=False)
         if self.speed_batch is not None and (isinstance(self.speed_batch, bool) or not isinstance(self.speed_batch, int)
                                              or self.speed_batch < 1):
             raise ValueError(f"{owner}.speed_batch={self.speed_batch!r} is not allowed: expected an int >= 1 or None "

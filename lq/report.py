@@ -11,6 +11,9 @@ from lq.nn.modules.tensor_quantizer import iter_quantizers
 COLUMNS = ("quantizer", "bits", "axis", "amax", "method", "state")
 #: added once an export has run: what onnxruntime runs for the quantizer's layer
 KERNEL_COLUMN = "onnxruntime kernel"
+#: why a layer the export's measured fallback sent back to float is float (lq.export.timing._fallback)
+FALLBACK_REASON = ("sent back to float after timing: the file with its quantizers ran at {fb.before.ratio:.2f}x FP32, "
+                   "the file kept runs at {fb.after.ratio:.2f}x")
 
 
 def columns(rows: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
@@ -49,7 +52,9 @@ def kernel_rows(result) -> list[tuple[str, str, str, str]]:
     for k in result.layer_kernels:
         key = (k.layer, k.op, k.kernel, k.reason or "")
         counts[key] = counts.get(key, 0) + 1
-    return [(layer, op, kernel if n == 1 else f"{kernel} x{n}", why) for (layer, op, kernel, why), n in counts.items()]
+    rows = [(layer, op, kernel if n == 1 else f"{kernel} x{n}", why) for (layer, op, kernel, why), n in counts.items()]
+    return rows + [(layer, "-", "float", FALLBACK_REASON.format(fb=result.fallback))
+                   for layer in getattr(result, "float_fallback", [])]
 
 
 def kernel_table(result, title: str = "what onnxruntime runs for each quantized layer"):

@@ -163,7 +163,7 @@ def _exported(model: nn.Module, x: torch.Tensor, n_calib: int, path, **calib_kw)
     QuantSwap(Int8OnnxruntimeConfig()).swap(m)
     with torch.no_grad():
         calibrate_model(m, list(x[:n_calib].split(16)), **calib_kw)
-    res = export_onnx(m, x[:8], str(path / "m.onnx"))
+    res = export_onnx(m, x[:8], str(path / "m.onnx"), fallback_seconds=0)
     assert_file_matches_pytorch(m, res, x[n_calib:])
     return res
 
@@ -211,7 +211,7 @@ def test_the_recipe_is_int16_safe_without_reencoding(tmp_path):
     QuantSwap(Int8OnnxruntimeConfig()).swap(m)
     with torch.no_grad():
         calibrate_model(m, [x], method="max")
-    res = export_onnx(m, x[:4], str(tmp_path / "m.onnx"))
+    res = export_onnx(m, x[:4], str(tmp_path / "m.onnx"), fallback_seconds=0)
     model = onnx.load(res.path)
     assert int16_risks(model) == []
     consts = {t.name: t.data_type for t in model.graph.initializer}

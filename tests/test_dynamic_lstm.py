@@ -188,7 +188,7 @@ def test_export_is_one_fused_op_per_layer_direction_with_pytorchs_numbers(tmp_pa
     model.eval()
     with torch.no_grad():
         calibrate_model(model, list(x.split(64)), method="max")  # the weights' and the head's quantizers
-    res = export_onnx(model, x[:32], str(tmp_path / "m.onnx"), dynamic_dims=(1,))
+    res = export_onnx(model, x[:32], str(tmp_path / "m.onnx"), dynamic_dims=(1,), fallback_seconds=0)
     m = onnx.load(res.path)
     ops = [n.op_type for n in all_nodes(m.graph)]
     assert ops.count("DynamicQuantizeLSTM") == 4 and "Scan" not in ops and "LSTM" not in ops
@@ -239,7 +239,7 @@ def test_export_with_per_tensor_weights_no_bias_and_a_given_state(tmp_path):
     args = (_digit_rows(64).transpose(0, 1), torch.randn(2, 64, 16, generator=g), torch.randn(2, 64, 16, generator=g))
     with torch.no_grad():
         calibrate_model(model, [args], method="max", forward=lambda m, batch: m(*batch))
-    res = export_onnx(model, args, str(tmp_path / "m.onnx"), dynamic_batch=False)
+    res = export_onnx(model, args, str(tmp_path / "m.onnx"), dynamic_batch=False, fallback_seconds=0)
     ops = [n.op_type for n in onnx.load(res.path).graph.node]
     assert ops.count("DynamicQuantizeLSTM") == 2 and res.max_abs_diff < 1e-4  # no later quantizer: float noise
 
@@ -250,13 +250,13 @@ def test_an_unrolled_lstm_says_why_its_length_is_fixed_and_a_packed_sample_is_re
     x = _digit_rows(64)
     with torch.no_grad():
         calibrate_model(model.eval(), [x], method="max")
-    res = export_onnx(model, x[:8], str(tmp_path / "legacy.onnx"), dynamo=False)
+    res = export_onnx(model, x[:8], str(tmp_path / "legacy.onnx"), dynamo=False, fallback_seconds=0)
     assert any("'rnn' is exported unrolled" in w and "legacy exporter" in w for w in res.warnings)
     with pytest.raises(ExportError, match="sequence length is fixed in the file: QuantLSTM 'rnn' is exported unrolled"):
-        export_onnx(model, x[:8], str(tmp_path / "legacy.onnx"), dynamo=False, dynamic_dims=(1,))
+        export_onnx(model, x[:8], str(tmp_path / "legacy.onnx"), dynamo=False, dynamic_dims=(1,), fallback_seconds=0)
     packed = pack_padded_sequence(x[:4], [8, 8, 6, 5], batch_first=True)
     with pytest.raises(ExportError, match=r"PackedSequence sample cannot be exported.*\(B, T, F\)") as e:
-        export_onnx(model.rnn, packed, str(tmp_path / "packed.onnx"))
+        export_onnx(model.rnn, packed, str(tmp_path / "packed.onnx"), fallback_seconds=0)
     assert "\n" not in str(e.value)
 
 

@@ -66,7 +66,8 @@ def _quantized(model, x, glue=True, method=None, **kw):
 
 
 def _export(model, x, tmp_path, **kw):
-    return export_onnx(model, x, str(tmp_path / "m.onnx"), **kw)
+    """The file with every quantizer lq placed (no measured fallback: these tests check the placement)."""
+    return export_onnx(model, x, str(tmp_path / "m.onnx"), **{"fallback_seconds": 0, **kw})
 
 
 def test_integer_kernels_match_onnxruntimes_optimized_graph(tmp_path):
@@ -214,7 +215,7 @@ def test_depthwise_and_thin_stem_run_float_by_choice_with_the_same_numbers(tmp_p
     # where no output quantizer follows, the float conv is PyTorch's fake-quant conv to float rounding, fused
     # or not (onnxruntime re-quantizing the float weights per tensor would be off by ~1e-2 here)
     thin = _quantized(nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16)), x)
-    res = export_onnx(thin, x, str(tmp_path / "thin.onnx"))
+    res = export_onnx(thin, x, str(tmp_path / "thin.onnx"), fallback_seconds=0)
     assert res.layer_kernels[0].by_choice
     with torch.no_grad():
         want = thin(x).numpy()

@@ -181,7 +181,7 @@ def test_graph_size_does_not_grow_with_the_sequence(tmp_path):
     sizes = []
     for T in (3, 24):
         p = tmp_path / f"t{T}.onnx"
-        export_onnx(model, torch.randn(2, T, 5), p, dynamic_dims=(1,))
+        export_onnx(model, torch.randn(2, T, 5), p, dynamic_dims=(1,), fallback_seconds=0)
         sizes.append(_nodes(p))
     assert sizes[0] == sizes[1], sizes
     # and the step is written once per layer and direction: a handful of nodes per loop, not per time step
@@ -190,7 +190,7 @@ def test_graph_size_does_not_grow_with_the_sequence(tmp_path):
 
 def test_the_steps_matmuls_run_on_integer_kernels_inside_the_loop(tmp_path):
     model = _quantized(Seq(True), True)
-    res = export_onnx(model, torch.randn(2, 6, 5), tmp_path / "lstm.onnx", dynamic_dims=(1,))
+    res = export_onnx(model, torch.randn(2, 6, 5), tmp_path / "lstm.onnx", dynamic_dims=(1,), fallback_seconds=0)
     rnn = [k for k in res.layer_kernels if k.layer == "rnn"]
     # per layer and direction: the input projection of all steps (outside; with its bias a Gemm on the flattened
     # steps, lq.export.passes._linear_gemm) and the recurrent Gemm (in the body)
@@ -215,7 +215,7 @@ def _twins(monkeypatch, model, sample, path):
         return real(proto, *a, **kw)
 
     monkeypatch.setattr(_export._float_twin, "float_twin", spy)
-    res = export_onnx(model, sample, path, dynamic_dims=(1,))
+    res = export_onnx(model, sample, path, dynamic_dims=(1,), fallback_seconds=0)
     (pre,) = seen
     return res, real(pre), real(pre, fused_recurrent=False)
 
@@ -264,7 +264,7 @@ def test_the_speed_check_keeps_a_float_scan_for_an_lstm_the_op_cannot_express(tm
 def test_unidirectional_lstm(tmp_path, kw):
     model = _quantized(Seq(False, **kw), False)
     res = export_onnx(model, torch.randn(5, 3, 5), tmp_path / "lstm.onnx", dynamic_batch=False,
-                      dynamic_dims=[{0: "time", 1: "batch"}])
+                      dynamic_dims=[{0: "time", 1: "batch"}], fallback_seconds=0)
     assert [n.op_type for n in onnx.load(str(tmp_path / "lstm.onnx")).graph.node].count("Scan") == kw["num_layers"]
     x = torch.randn(11, 3, 5)
     with torch.no_grad():
@@ -275,7 +275,7 @@ def test_unidirectional_lstm(tmp_path, kw):
 
 def test_proj_size_exports_as_a_loop(tmp_path):
     model = _calibrated_proj(num_layers=2, bidirectional=True)
-    res = export_onnx(model, torch.randn(2, 6, 5), tmp_path / "proj.onnx", dynamic_dims=(1,))
+    res = export_onnx(model, torch.randn(2, 6, 5), tmp_path / "proj.onnx", dynamic_dims=(1,), fallback_seconds=0)
     assert res.verified
     x = torch.randn(3, 10, 5)
     with torch.no_grad():
@@ -299,7 +299,7 @@ def test_an_lstm_the_loop_cannot_express_is_exported_unrolled_and_says_so(tmp_pa
     model.rnn._input_quantizers[0] = quant_nn.TensorQuantizer(tq.QuantDescriptor(dynamic=True))
     with torch.no_grad():
         calibrate_model(model, [torch.randn(4, 6, 5)], method="max")
-    res = export_onnx(model, torch.randn(2, 4, 5), tmp_path / "unrolled.onnx")
+    res = export_onnx(model, torch.randn(2, 4, 5), tmp_path / "unrolled.onnx", fallback_seconds=0)
     assert any("QuantLSTM 'rnn' is exported unrolled" in w and "_input_quantizers.0" in w for w in res.warnings)
     assert "Scan" not in [n.op_type for n in onnx.load(str(tmp_path / "unrolled.onnx")).graph.node]
     assert res.verified
@@ -331,7 +331,7 @@ def test_the_users_model_is_untouched(tmp_path):
     x = torch.randn(2, 5, 5)
     with torch.no_grad():
         before = model(x)[0]
-    export_onnx(model, x, tmp_path / "lstm.onnx")
+    export_onnx(model, x, tmp_path / "lstm.onnx", fallback_seconds=0)
     assert not model.rnn._export_as_loop and "_export_as_loop" not in vars(model.rnn)
     with torch.no_grad():
         torch.testing.assert_close(model(x)[0], before, rtol=0, atol=0)

@@ -107,7 +107,8 @@ def test_both_exporters_write_matmul_nbits_with_the_bias_inside(tmp_path, dynamo
     m, x = _model()
     x = x if rank == 3 else x[0]
     path = str(tmp_path / "m.onnx")
-    res = export_onnx(m, x, path, opset=21, dynamo=dynamo, dynamic_dims=(1,) if rank == 3 else ())
+    res = export_onnx(m, x, path, opset=21, dynamo=dynamo, dynamic_dims=(1,) if rank == 3 else (),
+                      fallback_seconds=0)
     ops = [n.op_type for n in onnx.load(path).graph.node]
     assert ops.count("MatMulNBits") == 2 and "Add" not in ops and "DequantizeLinear" not in ops, ops
     first = next(n for n in onnx.load(path).graph.node if n.op_type == "MatMulNBits")

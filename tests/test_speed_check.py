@@ -185,7 +185,7 @@ def test_the_reference_is_the_plain_fp32_export_of_the_float_model(tmp_path, mon
     float_model = _float(ConvBN())
     model = _calibrated(float_model, x)
     seen = _spy_compare(monkeypatch)
-    res = export_onnx(model, x, tmp_path / "m.onnx", speed_batch=9)
+    res = export_onnx(model, x, tmp_path / "m.onnx", speed_batch=9, fallback_seconds=0)
     ref = onnx.load_from_string(seen["fp32"])
     ops = _ops(ref)
     assert not QDQ & set(ops) and all(n.domain in ("", "ai.onnx") for n in ref.graph.node), ops
@@ -211,7 +211,7 @@ def test_an_lstm_is_compared_with_the_fused_lstm_op_a_plain_export_has(tmp_path,
     x = torch.randn(2, 6, 5)
     model = _calibrated(Recurrent(), x)
     seen = _spy_compare(monkeypatch)
-    res = export_onnx(model, x, tmp_path / "lstm.onnx", dynamic_dims=(1,))
+    res = export_onnx(model, x, tmp_path / "lstm.onnx", dynamic_dims=(1,), fallback_seconds=0)
     ops = _ops(onnx.load_from_string(seen["fp32"]))
     assert ops["LSTM"] == 1 and "Scan" not in ops and not QDQ & set(ops), ops
     assert res.speed_check.reference == _timing.PLAIN
@@ -225,7 +225,7 @@ def test_the_legacy_exporter_gives_the_legacy_plain_export(tmp_path, monkeypatch
     float_model = _float(ConvBN())
     model = _calibrated(float_model, x)
     seen = _spy_compare(monkeypatch)
-    export_onnx(model, x, tmp_path / "m.onnx", dynamo=False)
+    export_onnx(model, x, tmp_path / "m.onnx", dynamo=False, fallback_seconds=0)
     ops = _ops(onnx.load_from_string(seen["fp32"]))
     assert not QDQ & set(ops) and "Conv" in ops and "Gemm" in ops, ops
     buf = io.BytesIO()
@@ -243,7 +243,7 @@ def test_a_model_the_exporter_cannot_export_in_float_falls_back_to_the_twin_and_
 
     monkeypatch.setattr(_fp32_reference, "plain_export", fail)
     seen = _spy_compare(monkeypatch)
-    res = export_onnx(model, x, tmp_path / "m.onnx")
+    res = export_onnx(model, x, tmp_path / "m.onnx", fallback_seconds=0)
     assert res.speed_check is not None and res.speed_check.reference == _timing.TWIN
     note = [w for w in res.warnings if "could not export the float model" in w]
     assert len(note) == 1 and "cannot export this float model" in note[0] and _timing.TWIN in note[0]
@@ -256,7 +256,7 @@ def test_a_slower_file_is_warned_about_against_the_plain_fp32_export(tmp_path, m
     int8 = [2.30e-3, 2.28e-3, 2.31e-3, 2.29e-3, 2.30e-3]
     fp32 = [2.00e-3, 2.01e-3, 1.99e-3, 2.00e-3, 2.00e-3]
     _fake_rounds(monkeypatch, int8, fp32)
-    res = export_onnx(_calibrated(ConvBN(), x), x, tmp_path / "m.onnx")
+    res = export_onnx(_calibrated(ConvBN(), x), x, tmp_path / "m.onnx", fallback_seconds=0)
     c = res.speed_check
     assert c.slower and c.ratio == pytest.approx(2.0 / 2.3) and res.speedup == c.ratio
     assert c.int8_ms == pytest.approx(2.30) and c.fp32_ms == pytest.approx(2.00)
@@ -270,7 +270,7 @@ def test_a_slower_file_is_warned_about_against_the_plain_fp32_export(tmp_path, m
 def test_a_slower_file_measured_in_noisy_rounds_says_both(tmp_path, monkeypatch):
     x = torch.randn(4, 3, 16, 16)
     _fake_rounds(monkeypatch, [1.0e-3] * 5, [0.7e-3, 0.8e-3, 0.9e-3, 1.1e-3, 1.3e-3])
-    res = export_onnx(_calibrated(ConvBN(), x), x, tmp_path / "m.onnx")
+    res = export_onnx(_calibrated(ConvBN(), x), x, tmp_path / "m.onnx", fallback_seconds=0)
     (slow,) = [w for w in res.warnings if w.startswith("the INT8 file runs at")]
     assert "0.90x the speed of the plain FP32 export" in slow
     assert "The measurement is noisy: the rounds do not agree on which file is faster" in slow
@@ -279,7 +279,7 @@ def test_a_slower_file_measured_in_noisy_rounds_says_both(tmp_path, monkeypatch)
 def test_a_faster_file_gets_no_warning_and_the_result_carries_consistent_numbers(tmp_path, monkeypatch):
     x = torch.randn(4, 3, 16, 16)
     _fake_rounds(monkeypatch, [1.0e-3, 1.1e-3, 0.9e-3], [1.5e-3, 1.6e-3, 1.4e-3])
-    res = export_onnx(_calibrated(ConvBN(), x), x, tmp_path / "m.onnx")
+    res = export_onnx(_calibrated(ConvBN(), x), x, tmp_path / "m.onnx", fallback_seconds=0)
     c = res.speed_check
     assert not c.slower and res.speedup == c.ratio == pytest.approx(1.5)
     assert c.ratio == pytest.approx(c.fp32_ms / c.int8_ms) and c.batch == 4 and c.runs_per_round == 7
@@ -292,9 +292,9 @@ def test_speed_batch_is_checked_before_the_export(tmp_path):
     model = _calibrated(ConvBN(), x)
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="speed_batch"):
-            export_onnx(model, x, tmp_path / "m.onnx", speed_batch=bad)
+            export_onnx(model, x, tmp_path / "m.onnx", speed_batch=bad, fallback_seconds=0)
     with pytest.raises(ValueError, match="no dynamic batch axis"):
-        export_onnx(model, x, tmp_path / "m.onnx", speed_batch=8, dynamic_batch=False)
+        export_onnx(model, x, tmp_path / "m.onnx", speed_batch=8, dynamic_batch=False, fallback_seconds=0)
     assert not (tmp_path / "m.onnx").exists()
 
 
@@ -359,5 +359,5 @@ def test_speed_check_false_exports_and_verifies_without_timing(tmp_path, monkeyp
     res = export_onnx(model, x, tmp_path / "m.onnx", speed_check=False)
     assert res.speed_check is None and res.speedup is None and not seen and not exported
     assert res.output_checks and res.layer_kernels and (tmp_path / "m.onnx").exists()
-    res = export_onnx(model, x, tmp_path / "m2.onnx")  # the default times it
+    res = export_onnx(model, x, tmp_path / "m2.onnx", fallback_seconds=0)  # the default times it
     assert res.speed_check is not None and seen and exported

@@ -121,8 +121,11 @@ class QuantExport(L.Callback):
 
             report.print_rich(report.kernel_table(result))
         for w in getattr(result, "warnings", []):  # layers left float, re-encoded weights, opset ...
-            if speed is not None and speed < 1.0 and w.startswith("the INT8 file runs at"):
-                rank_zero_warn(f"lq export: {w}")  # the INT8 file is slower than FP32: nobody should miss that
+            slower = speed is not None and speed < 1.0 and w.startswith("the INT8 file runs at")
+            fallback = getattr(result, "fallback", None)
+            if slower or (fallback is not None and w == fallback.note()):
+                # the INT8 file is slower than FP32, or layers went back to float in it: nobody should miss that
+                rank_zero_warn(f"lq export: {w}")
             else:
                 rank_zero_info(f"lq export: {w}")
 

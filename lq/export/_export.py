@@ -5,7 +5,8 @@
 3. ``passes/``   the rewrite passes, from the declared list in :mod:`lq.export.passes._pipeline`
 4. ``finish/``   metadata, opset, checker
 5. ``verify/``   onnxruntime against PyTorch, judged in output steps; the file is saved only when it passes
-6. ``timing/``   the INT8 file against the user's plain FP32 export
+6. ``timing/``   the INT8 file against the user's plain FP32 export; where it is slower, layers back to float
+                 until it is not (measured: ``_fallback``)
 7. ``report/``   kernels, notes, :class:`ExportResult`
 
 The options are one :class:`lq.config.ExportConfig` (the one the callback and Hydra use).
@@ -13,18 +14,22 @@ The options are one :class:`lq.config.ExportConfig` (the one the callback and Hy
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
+import tempfile
 import time
 
+import onnx
+
 from lq.config import EXPORT_TARGETS, EXPORTERS, WEIGHT_FORMATS, ExportConfig, coerce
-from lq.export._files import atomic_save
+from lq.export._files import atomic_save, short
 from lq.export.passes import _pipeline
 from lq.export.prepare import _prepare
 from lq.export.prepare._model_checks import find_uncalibrated_quantizers  # noqa: F401  (public)
 from lq.export.report import _report
 from lq.export.report._result import ExportResult, VerificationError  # noqa: F401  (public)
-from lq.export.timing import _float_twin, _speed
+from lq.export.timing import _fallback, _float_twin, _speed
 from lq.export.trace import _trace
 from lq.export.finish import _finish
 from lq.export.verify import _judge, _verify
@@ -82,7 +87,10 @@ def export_onnx(model, sample_input, path=None, config: ExportConfig | None = No
     differs beyond a rounding tie on more than 1% of the rows. With ``tolerance``/``rtol`` the verdict is
     ``max|ort - torch| <= tolerance + rtol * max|torch|`` instead. The speed check (onnxruntime, verified,
     ``check_fusion`` and ``speed_check``) times the file against the plain FP32 export of the same model at
-    ``speed_batch``. A ``QuantLSTM`` is exported as one ONNX ``Scan`` per layer and direction.
+    ``speed_batch``. Where the file is slower (not in noisy rounds), copies with groups of layers back in float
+    are exported, verified against themselves and timed, for up to ``fallback_seconds``; the fastest one that
+    timing says beats the first is saved instead, and ``ExportResult.fallback`` names its float layers
+    (:mod:`lq.export.timing._fallback`). A ``QuantLSTM`` is exported as one ONNX ``Scan`` per layer and direction.
 
     Returns:
         :class:`ExportResult`.
@@ -114,7 +122,56 @@ def export_onnx(model, sample_input, path=None, config: ExportConfig | None = No
         if cfg.verify else None
     atomic_save(proto, cfg.path)
     ort_ops, kernels = _report.kernels(proto, cfg, providers, seen, notes)
-    speed = _speed.speed_check(data, proto, prep, cfg, twin, providers, kernels, notes) \
-        if twin is not None else None
-    return _report.result(proto, cfg, opset, prep, rewrite, verified, providers, ort_ops, kernels, speed, notes,
-                          export_seconds)
+    if twin is None:
+        return _report.result(proto, cfg, opset, prep, rewrite, verified, providers, ort_ops, kernels, None, notes,
+                              export_seconds)
+    timing_notes: list = []  # about the measurement itself: they hold for any file timed against this FP32 one
+    timer = _speed.Timer.make(prep, cfg, twin, providers, timing_notes)
+    speed = _speed.speed_check(data, timer, timing_notes)
+    notes += timing_notes
+    fallback = None
+    if speed is not None and speed.slower and not speed.noisy and cfg.fallback_seconds > 0:
+        fallback, kept = _fall_back(prep, cfg, providers, timer, speed, kernels, time.perf_counter() - t0)
+        if kept is not None:
+            kept.warnings[:0] = timing_notes
+            return kept
+    if speed is not None and speed.slower:
+        notes.append(_speed.slower_note(speed, proto, kernels))
+    if fallback is not None:
+        notes.append(fallback.note())
+    res = _report.result(proto, cfg, opset, prep, rewrite, verified, providers, ort_ops, kernels, speed, notes,
+                         export_seconds)
+    res.fallback = fallback
+    return res
+
+
+def _fall_back(prep, cfg: ExportConfig, providers: list, timer: _speed.Timer, first, kernels: list,
+               try_s: float) -> tuple[_fallback.Fallback, ExportResult | None]:
+    """The measured fallback (:mod:`lq.export.timing._fallback`): copies of the model with groups of quantizers
+    off, each exported, verified against itself and timed against the same FP32 file. Returns the search's
+    record and the result of the copy kept, its file saved at ``cfg.path`` (None: the first file stays)."""
+    try:
+        order = _fallback.call_order(prep.work, prep.args)
+    except Exception as e:  # noqa: BLE001 - the model ran in prepare; if it cannot run again, keep the first file
+        return _fallback.Fallback([], [], first, first, [], f"could not run the model to order its quantizers "
+                                  f"({type(e).__name__}: {short(e, 200)})"), None
+    groups = _fallback.groups(order, [k.layer for k in kernels if not k.integer and not k.by_choice])
+    inner = dataclasses.replace(cfg, speed_check=False, providers=providers)
+    with tempfile.TemporaryDirectory(prefix="lq-fallback-") as tmp:
+        paths = (os.path.join(tmp, f"try{i}.onnx") for i in range(10 ** 6))
+
+        def export(off):
+            candidate = copy.deepcopy(prep.work)
+            _fallback.disable(candidate, sorted(off))
+            res = export_onnx(candidate, prep.args, config=dataclasses.replace(inner, path=next(paths)))
+            with open(res.path, "rb") as f:
+                return f.read(), res
+
+        record, kept = _fallback.search(first, groups, export, timer.measure, cfg.fallback_seconds, try_s)
+        if kept is None:
+            return record, None
+        res = kept
+        atomic_save(onnx.load(res.path), cfg.path)
+    res.path, res.speed_check, res.speedup, res.fallback = cfg.path, record.after, record.after.ratio, record
+    res.warnings.append(record.note())
+    return record, res

@@ -10,6 +10,7 @@ import dataclasses
 from collections import Counter
 
 from lq.export.timing import _timing
+from lq.export.timing._fallback import Fallback
 
 from lq.export.verify import _verify
 from lq.export.passes._fold_bn import FoldRecord
@@ -53,6 +54,10 @@ class ExportResult:
             per-round ratios' quartiles, and whether the rounds disagree (``noisy``, ``noise``). None when not
             measured (verify and check_fusion for onnxruntime only). Below 1 a warning says so in those terms and
             names the layers that run in float.
+        fallback: where the first file was slower than FP32, what the measured fallback tried and kept
+            (:class:`lq.export.timing._fallback.Fallback`; None when it did not run). When it kept a file,
+            ``float_fallback`` names the layers that file runs in float, and the file (verified so) computes the
+            model with those layers' quantizers off.
     """
 
     path: str
@@ -76,6 +81,12 @@ class ExportResult:
     speed_check: _timing.SpeedCheck | None = None
     output_checks: list[_verify.OutputCheck] = dataclasses.field(default_factory=list)
     verdict: str | None = None
+    fallback: Fallback | None = None
+
+    @property
+    def float_fallback(self) -> list[str]:
+        """The layers the measured fallback sent back to float in the file (empty when it kept none)."""
+        return list(self.fallback.layers) if self.fallback is not None else []
 
     @property
     def verified(self) -> bool:
@@ -104,6 +115,8 @@ class ExportResult:
     def kernel_of(self, layer: str) -> str | None:
         """What onnxruntime runs for ``layer`` (e.g. ``QLinearConv``, or ``Conv (float: <why>)``), None if unknown."""
         texts = [k.text() for k in self.layer_kernels if k.layer == layer]
+        if not texts and layer in self.float_fallback:
+            return "float (sent back to float after timing)"
         return ", ".join(dict.fromkeys(texts)) if texts else None
 
     @property
@@ -133,6 +146,9 @@ class ExportResult:
             lines.append(f"  layers on integer kernels: {n_int} of {len(self.layer_kernels)}")
         if self.speed_check is not None:
             lines.append(f"  speed: {self.speed_check}")
+        if self.float_fallback:
+            lines.append(f"  sent back to float after timing ({self.fallback.before.ratio:.2f}x -> "
+                         f"{self.fallback.after.ratio:.2f}x): {', '.join(self.float_fallback)}")
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)

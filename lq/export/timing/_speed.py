@@ -1,10 +1,14 @@
 """Stage 6: time the verified INT8 file against the user's plain FP32 export of the same model.
 
-One measurement (:func:`lq.export.timing._timing.compare`), at the batch the user names or the sample's; when the
-file is slower, a warning says so in those terms and names the layers that run in float.
+One measurement (:func:`lq.export.timing._timing.compare`), at the batch the user names or the sample's, against
+one FP32 file exported once (:class:`Timer`): the fallback (:mod:`lq.export.timing._fallback`) times its candidate
+files against the same one. When the file the export keeps is slower, :func:`slower_note` says so in those terms
+and names the layers that run in float.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import onnx
 
@@ -14,33 +18,55 @@ from lq.export.prepare._prepare import Prepared, batch_size
 from lq.export.timing import _fp32_reference, _timing
 
 
-def speed_check(int8_model: bytes, proto: onnx.ModelProto, prep: Prepared, cfg: ExportConfig, twin, providers,
-                kernels: list, notes: list) -> _timing.SpeedCheck | None:
-    """Time the INT8 file against the plain FP32 export of the same model (``twin``, the exported graph without
-    its quantizers, where that export fails, said so in a note); below 1x, add a warning naming the float
-    layers (and, when the file has Scan loops, what runs them fused)."""
-    loops = sum(n.op_type == "Scan" for n in proto.graph.node)
-    feeds = _timing.batch_feeds(prep.tensors, prep.dims, cfg.speed_batch)
-    batch = cfg.speed_batch or batch_size(prep.tensors, prep.dims)
-    reference = _timing.PLAIN
-    try:  # the user's float model through torch.onnx.export, as they would export it
-        fp32 = _fp32_reference.plain_export(prep.work, prep.args, cfg.dynamo, prep.opset, prep.input_names,
-                                            prep.output_names, prep.dims).SerializeToString()
-    except Exception as e:  # noqa: BLE001 - any failure of the user's own export: time against the twin instead
-        reference = _timing.TWIN
-        notes.append(f"the speed check could not export the float model with torch.onnx.export "
-                     f"({type(e).__name__}: {short(e, 300)}), so it times the INT8 file against {_timing.TWIN}, "
-                     "which can differ from the FP32 file a user would export")
-        fp32 = twin.SerializeToString()
+@dataclasses.dataclass
+class Timer:
+    """The FP32 file, the feeds at the timed batch and the providers: what every timing of one export shares."""
+
+    fp32: bytes
+    reference: str  # what the FP32 file is (_timing.PLAIN, or _timing.TWIN where the user's export failed)
+    feeds: list
+    batch: int | None
+    providers: list
+
+    @classmethod
+    def make(cls, prep: Prepared, cfg: ExportConfig, twin: onnx.ModelProto, providers, notes: list) -> "Timer":
+        """Export the user's float model with torch.onnx.export, as they would (the FP32 twin of the exported
+        graph where that export fails, said so in a note)."""
+        reference = _timing.PLAIN
+        try:
+            fp32 = _fp32_reference.plain_export(prep.work, prep.args, cfg.dynamo, prep.opset, prep.input_names,
+                                                prep.output_names, prep.dims).SerializeToString()
+        except Exception as e:  # noqa: BLE001 - any failure of the user's own export: time against the twin instead
+            reference = _timing.TWIN
+            notes.append(f"the speed check could not export the float model with torch.onnx.export "
+                         f"({type(e).__name__}: {short(e, 300)}), so it times the INT8 file against {_timing.TWIN}, "
+                         "which can differ from the FP32 file a user would export")
+            fp32 = twin.SerializeToString()
+        return cls(fp32=fp32, reference=reference, feeds=_timing.batch_feeds(prep.tensors, prep.dims, cfg.speed_batch),
+                   batch=cfg.speed_batch or batch_size(prep.tensors, prep.dims), providers=list(providers))
+
+    def measure(self, int8_model: bytes) -> _timing.SpeedCheck:
+        """``int8_model`` against the FP32 file (:func:`lq.export.timing._timing.compare`)."""
+        return _timing.compare(int8_model, self.fp32, self.feeds, self.providers, batch=self.batch,
+                               reference=self.reference)
+
+
+def speed_check(int8_model: bytes, timer: Timer, notes: list) -> _timing.SpeedCheck | None:
+    """The INT8 file against the FP32 one; a failure to time never fails the export (a note says it)."""
     try:
-        check = _timing.compare(int8_model, fp32, feeds, providers, batch=batch, reference=reference)
-    except Exception as e:  # diagnostics only: a failure to time never fails the export
-        notes.append(f"could not time the INT8 file against {reference}: {short(e, 300)}")
+        return timer.measure(int8_model)
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        notes.append(f"could not time the INT8 file against {timer.reference}: {short(e, 300)}")
         return None
-    if check.slower:
-        floats = [f"{k.layer} ({k.kernel}: {k.reason})" for k in kernels if not k.integer]
-        notes.append(
-            f"the INT8 file runs at {check.ratio:.2f}x the speed of {reference} in onnxruntime ({check.details()}): "
+
+
+def slower_note(check: _timing.SpeedCheck, proto: onnx.ModelProto, kernels: list) -> str:
+    """The warning for a file slower than FP32: the measurement, the layers that run in float between Q/DQ
+    (and, when the file has Scan loops, what runs them fused)."""
+    loops = sum(n.op_type == "Scan" for n in proto.graph.node)
+    floats = [f"{k.layer} ({k.kernel}: {k.reason})" for k in kernels if not k.integer]
+    return (f"the INT8 file runs at {check.ratio:.2f}x the speed of {check.reference} in onnxruntime "
+            f"({check.details()}): "
             + (f"{len(floats)} quantized layer(s) run in float between Q/DQ: " + "; ".join(floats) if floats else
                "every quantized layer runs an integer kernel; the Q/DQ conversions cost more than they save "
                "at this size")
@@ -49,4 +75,3 @@ def speed_check(int8_model: bytes, proto: onnx.ModelProto, prep: Prepared, cfg: 
                "or QuantLSTM.set_runtime_dynamic) runs them as onnxruntime's fused DynamicQuantizeLSTM"
                if loops else "")
             + (f". The measurement is noisy: {check.noise}" if check.noisy else ""))
-    return check

@@ -1,0 +1,279 @@
+"""Where the INT8 file is slower than the user's FP32 file, send quantized layers back to float until it is not.
+
+The placement rules (:mod:`lq.rules.onnxruntime`, :mod:`lq.glue`) put Q/DQ where onnxruntime's benches measured
+integer kernels faster; on a model or batch they did not foresee, the Q/DQ conversions can cost more than the
+integer kernels save. The export then measures instead of predicting: it exports copies of the model with groups
+of quantizers turned off, verifies each against that copy in PyTorch (so the file still computes exactly what
+a model says), times each against the same FP32 file, and keeps a copy only where the timing says it is faster.
+
+The groups, in the order they are tried (:func:`groups`):
+
+1. the layers onnxruntime runs in float between Q/DQ (the kernel report names them): their conversions are pure
+   cost;
+2. the model's stages from the output backwards (consecutive blocks of the forward, by module path): the last
+   stages work on the smallest maps, where a Q/DQ pair costs most against the work it saves;
+3. after a pass that kept something, the groups not kept again (on the new base);
+4. when the file is still slower, every quantizer off: the float model, as fast as the FP32 file (the file is
+   then float, and says so).
+
+Each try adds its group to what the best file so far has in float. The search stops once the file is at least as
+fast as FP32, when every group was tried, or when the next try would overrun the time budget
+(``ExportConfig.fallback_seconds``). Timing decides (:data:`KEEP`): noise alone must not send layers to float.
+The search itself takes its export and its measurement as functions, so its logic is tested on exact timings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from lq.export._files import short
+from lq.export.prepare._model_checks import _is_quantizer, _quantizer_enabled, export_mode
+from lq.export.timing._timing import SpeedCheck
+from lq.glue._rules import CHILD
+
+#: a try is kept when the lower quartile of its per-round ratios beats the best ratio so far by this fraction
+#: (the ratio of one measurement moves by a few percent between runs on a quiet machine)
+KEEP = 0.01
+#: at most this many stages (consecutive blocks by module path) are tried
+MAX_STAGES = 8
+#: what the first group is called
+BETWEEN_QDQ = "the layers onnxruntime ran in float between Q/DQ"
+#: the last resort: every quantizer off (the float model, as fast as the FP32 file)
+EVERY = "every layer"
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Quantizers to turn off together, and the layers they belong to."""
+
+    label: str
+    quantizers: tuple[str, ...]
+    layers: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Try:
+    """One candidate file: the group it added, its speed check (None when its export or verification failed)."""
+
+    group: Group
+    check: SpeedCheck | None
+    kept: bool
+    error: str = ""
+    seconds: float = 0.0
+
+    def text(self) -> str:
+        what = f"{self.group.label} ({len(self.group.layers)} layer(s))"
+        if self.check is None:
+            return f"{what}: not usable ({self.error})"
+        return (f"{what}: {self.check.ratio:.2f}x (per-round {self.check.ratio_p25:.2f}-{self.check.ratio_p75:.2f}x)"
+                f"{', kept' if self.kept else ', not faster'}")
+
+
+@dataclasses.dataclass
+class Fallback:
+    """What the search did (``ExportResult.fallback``).
+
+    Attributes:
+        layers: the layers sent back to float in the file the export kept (empty: none was, the file is the
+            one with every quantizer the model has).
+        quantizers: their quantizers, as module paths of the model.
+        before: the speed check of the file with every quantizer; after: that of the file kept.
+        tries: every candidate, in order. stopped: why the search ended.
+    """
+
+    layers: list[str]
+    quantizers: list[str]
+    before: SpeedCheck
+    after: SpeedCheck
+    tries: list[Try]
+    stopped: str
+
+    def note(self) -> str:
+        """One warning: what was measured, what went back to float (or that nothing did), and why it stopped."""
+        tried = "; ".join(t.text() for t in self.tries) or "nothing"
+        if self.layers:
+            shown = ", ".join(self.layers[:12]) + (f" and {len(self.layers) - 12} more" if len(self.layers) > 12
+                                                   else "")
+            head = (f"the file with every quantizer ran at {self.before.ratio:.2f}x the speed of FP32, so lq sent "
+                    f"{len(self.layers)} layer(s) back to float in the file, where timing said that is faster: {shown}."
+                    f" The file now runs at {self.after.ratio:.2f}x ({self.after.details()}) and computes the model "
+                    "with those layers' quantizers off (verified so)")
+        else:
+            head = (f"the file runs at {self.before.ratio:.2f}x the speed of FP32; lq timed copies with layers back "
+                    "in float and none was faster, so the file keeps every quantizer")
+        return f"{head}. Tried: {tried}. Stopped: {self.stopped}"
+
+
+# =========================================================================== the groups
+def call_order(model: nn.Module, args: tuple) -> list[str]:
+    """The model's enabled quantizers (module paths; a shared one under its first name) in the order the forward
+    calls them on ``args``. A quantizer the forward does not call comes last, in module order."""
+    named = {}
+    for name, m in model.named_modules():
+        if _is_quantizer(m) and _quantizer_enabled(m):
+            named.setdefault(id(m), (name, m))
+    order: list[str] = []
+    handles = [m.register_forward_pre_hook(lambda mod, _in, name=name: order.append(name))
+               for name, m in named.values()]
+    try:
+        with torch.no_grad(), export_mode(model):
+            model(*args)
+    finally:
+        for h in handles:
+            h.remove()
+    seen = list(dict.fromkeys(order))
+    return seen + [name for name, _ in named.values() if name not in set(seen)]
+
+
+def owner(quantizer: str) -> str:
+    """The layer a quantizer belongs to: the module holding it, or for a glue quantizer (``<module>.lq_glue.<op>``)
+    the glue op itself."""
+    parts = quantizer.split(".")
+    if len(parts) >= 2 and parts[-2] == CHILD:
+        return quantizer
+    return ".".join(parts[:-1]) or quantizer
+
+
+def _block(quantizer: str, depth: int) -> str:
+    """The module path, ``depth`` components deep, of the block a quantizer is in (glue ops belong to the module
+    whose forward calls them; "" for the model's own forward)."""
+    parts = quantizer.split(".")
+    parts = parts[:parts.index(CHILD)] if CHILD in parts else parts[:-1]
+    return ".".join(parts[:depth])
+
+
+def _runs(order: Sequence[str], depth: int) -> list[list[str]]:
+    """Consecutive quantizers in the same block at ``depth``; the model's own glue joins the run before it."""
+    runs: list[list[str]] = []
+    key = None
+    for q in order:
+        k = _block(q, depth)
+        if runs and (k == key or k == ""):
+            runs[-1].append(q)
+            continue
+        runs.append([q])
+        key = k
+    return runs
+
+
+def stages(order: Sequence[str], max_stages: int = MAX_STAGES) -> list[list[str]]:
+    """The forward's quantizers in consecutive stages: the blocks at the shallowest module depth that splits the
+    model into at least 4 (or as many layers as there are), merged into at most ``max_stages`` of about equal
+    size."""
+    if not order:
+        return []
+    deepest = max(len(q.split(".")) for q in order)
+    want = min(4, len({owner(q) for q in order}))
+    runs = _runs(order, 1)
+    for depth in range(1, deepest + 1):
+        runs = _runs(order, depth)
+        if len(runs) >= want:
+            break
+    if len(runs) <= max_stages:
+        return runs
+    total = sum(map(len, runs))
+    merged: list[list[str]] = [[] for _ in range(max_stages)]
+    done = 0
+    for run in runs:  # each run to the stage its middle falls in: consecutive, and about equal in size
+        merged[min(max_stages - 1, int((done + len(run) / 2) * max_stages / total))].extend(run)
+        done += len(run)
+    return [m for m in merged if m]
+
+
+def _group(label: str, quantizers: Sequence[str]) -> Group:
+    return Group(label=label, quantizers=tuple(quantizers), layers=tuple(dict.fromkeys(owner(q) for q in quantizers)))
+
+
+def groups(order: Sequence[str], float_layers: Sequence[str]) -> list[Group]:
+    """What the search tries, in order: the layers run in float between Q/DQ (``float_layers``, the kernel
+    report's names), then the stages from the output backwards."""
+    out = []
+    between = [q for q in order if owner(q) in set(float_layers)]
+    if between:
+        out.append(_group(BETWEEN_QDQ, between))
+    for stage in reversed(stages(order)):
+        first, last = owner(stage[0]), owner(stage[-1])
+        out.append(_group(f"stage {first}" + (f" .. {last}" if last != first else ""), stage))
+    return out
+
+
+def disable(model: nn.Module, quantizers: Sequence[str]) -> None:
+    """Turn off these quantizers (module paths) of ``model``."""
+    for name in quantizers:
+        model.get_submodule(name).disable()
+
+
+# =========================================================================== the search
+def search(first: SpeedCheck, tried: Sequence[Group], export: Callable[[frozenset], tuple[bytes, object]],
+           measure: Callable[[bytes], SpeedCheck], budget_s: float, try_s: float
+           ) -> tuple[Fallback, object | None]:
+    """Try the groups in order (see the module's docstring); returns the record and what ``export`` gave for the
+    file kept (None: the first file stays).
+
+    A pass that kept a group is followed by another over the groups not kept (the base they were tried on has
+    changed); when passes end with the file still slower, the last try has every quantizer off (the float model,
+    which is as fast as the FP32 file). ``export(off)``: the file with the quantizers ``off`` turned off, as
+    ``(bytes, payload)``; it raises when that file cannot be exported or does not verify. ``measure(bytes)``: its
+    speed check against the FP32 file. ``try_s``: the expected seconds of one try, until one has been timed.
+    """
+    start = time.perf_counter()
+    best = {"check": first, "off": frozenset(), "payload": None, "layers": []}
+    tries: list[Try] = []
+    failed: set[str] = set()
+
+    def attempt(g: Group) -> str | None:
+        """Export, verify and time the best file so far with ``g`` off too; a reason to stop, or None."""
+        nonlocal try_s
+        off = best["off"] | frozenset(g.quantizers)
+        if off == best["off"]:
+            return None
+        spent = time.perf_counter() - start
+        if spent + try_s > budget_s:
+            return (f"the next try would overrun the time budget ({spent:.0f} s spent, about {try_s:.0f} s a try, "
+                    f"fallback_seconds={budget_s:g})")
+        t0 = time.perf_counter()
+        try:
+            data, payload = export(off)
+            check = measure(data)
+        except Exception as e:  # noqa: BLE001 - a copy that does not export or verify is not a candidate
+            failed.add(g.label)
+            tries.append(Try(g, None, False, f"{type(e).__name__}: {short(e, 200)}", time.perf_counter() - t0))
+            try_s = max(try_s, time.perf_counter() - t0)
+            return None
+        was = best["check"]
+        keep = check.ratio_p25 > was.ratio * (1 + KEEP) or (check.ratio >= 1.0 > was.ratio and not check.noisy)
+        tries.append(Try(g, check, keep, seconds=time.perf_counter() - t0))
+        try_s = time.perf_counter() - t0
+        if keep:
+            best.update(check=check, off=off, payload=payload,
+                        layers=best["layers"] + [x for x in g.layers if x not in best["layers"]])
+        return None
+
+    stopped = None
+    pending = list(tried)
+    while pending and stopped is None and best["check"].ratio < 1.0:
+        before = best["off"]
+        for g in pending:
+            if best["check"].ratio >= 1.0:
+                break
+            stopped = attempt(g)
+            if stopped:
+                break
+        if best["off"] == before:  # a pass that kept nothing: another would not either
+            break
+        pending = [g for g in pending if g.label not in failed and not set(g.quantizers) <= best["off"]]
+    every = list(dict.fromkeys(q for g in tried for q in g.quantizers))
+    if stopped is None and best["check"].ratio < 1.0 and every:
+        stopped = attempt(_group(EVERY, every))
+    if stopped is None:
+        stopped = (f"the file runs at {best['check'].ratio:.2f}x, at least as fast as FP32"
+                   if best["check"].ratio >= 1.0 else "every group was tried")
+    kept = best["payload"] is not None
+    record = Fallback(layers=best["layers"] if kept else [], quantizers=sorted(best["off"]) if kept else [],
+                      before=first, after=best["check"], tries=tries, stopped=stopped)
+    return record, best["payload"]

@@ -1,0 +1,289 @@
+"""The measured fallback: where the INT8 file is slower than the user's FP32 file, layers go back to float in the
+file until it is not, each candidate verified against the model it computes and timed against the same FP32 file.
+
+No test here depends on this machine's speed: the search gets exact speed checks, and the export gets round times
+computed from the file it times (a cost model: what the file quantizes decides how slow it is), so each test
+knows which file must be kept. The statistics, the exports, the verification and the saved file are real.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from lq import report
+from lq.calibration import calibrate_model
+from lq.config import ExportConfig
+from lq.convert import quantize_model
+from lq.export import export_onnx
+from lq.export.timing import _fallback, _timing
+from lq.export.verify import _verify
+
+torch.set_flush_denormal(True)
+ort = pytest.importorskip("onnxruntime")
+
+
+class Blocks(nn.Module):
+    """A float stem, two dense blocks, a residual add in the model's own forward, a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1), nn.ReLU())
+        self.b1 = nn.Sequential(nn.Conv2d(16, 32, 3, 1, 1), nn.ReLU())
+        self.b2 = nn.Sequential(nn.Conv2d(32, 32, 3, 1, 1), nn.ReLU())
+        self.b3 = nn.Sequential(nn.Conv2d(32, 32, 3, 1, 1), nn.ReLU())
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        y = self.b1(self.stem(x))
+        y = y + self.b2(y)
+        return self.head(self.b3(y).mean((2, 3)))
+
+
+def _quantized(x):
+    model = Blocks().eval()
+    quantize_model(model)
+    calibrate_model(model, [x])
+    return model
+
+
+def _check(ratio: float, noisy: bool = False) -> _timing.SpeedCheck:
+    return _timing.SpeedCheck(ratio=ratio, int8_ms=1.0, fp32_ms=ratio, ratio_p25=ratio * 0.995,
+                              ratio_p75=ratio * 1.005, rounds=5, noisy=noisy)
+
+
+def _enabled(model) -> list[str]:
+    return [n for n, m in model.named_modules() if type(m).__name__ in ("TensorQuantizer", "GlueQuantizer")
+            and m.is_enabled]
+
+
+# =========================================================================== the groups
+def test_the_quantizers_come_in_the_order_the_forward_calls_them_and_stages_follow_the_blocks():
+    x = torch.randn(2, 3, 16, 16)
+    model = _quantized(x)
+    order = _fallback.call_order(model, (x,))
+    assert set(order) == set(_enabled(model))  # every enabled quantizer, each once
+    owners = list(dict.fromkeys(_fallback.owner(q) for q in order))
+    assert owners[:3] == ["stem.0", "b1.0", "b2.0"] and owners[-2:] == ["b3.0", "head"]
+    assert [q for q in order if "lq_glue" in q], "the residual add has its glue quantizer"
+    stages = _fallback.stages(order)
+    # one stage per block; the model's own add joins the block before it (b2, whose output it reads)
+    assert [sorted({_fallback.owner(q).split(".")[0] for q in s if "lq_glue" not in q}) for s in stages] == \
+        [["stem"], ["b1"], ["b2"], ["b3"], ["head"]]
+    assert any("lq_glue" in q for q in stages[2])
+    assert [q for s in stages for q in s] == order  # consecutive, nothing lost
+    groups = _fallback.groups(order, ["b1.0"])
+    assert groups[0].label == _fallback.BETWEEN_QDQ and groups[0].layers == ("b1.0",)
+    assert [g.layers[0] for g in groups[1:]] == ["head", "b3.0", "b2.0", "b1.0", "stem.0"]  # output backwards
+
+
+def test_many_blocks_merge_into_at_most_max_stages_consecutive_stages():
+    order = [f"features.{i}.conv.{q}" for i in range(20) for q in ("_input_quantizer", "_weight_quantizer")]
+    stages = _fallback.stages(order, max_stages=8)
+    assert len(stages) == 8 and [q for s in stages for q in s] == order
+    assert max(map(len, stages)) - min(map(len, stages)) <= 2  # about equal
+    # a flat model: each layer its own stage
+    assert len(_fallback.stages(["conv1._input_quantizer", "conv2._input_quantizer", "fc._input_quantizer"])) == 3
+
+
+# =========================================================================== the search, on exact speed checks
+def _groups(*names):
+    return [_fallback.Group(label=n, quantizers=(f"{n}._input_quantizer",), layers=(n,)) for n in names]
+
+
+def _run(first, groups, ratio_of, budget_s=60.0, try_s=0.0, fail=()):
+    calls = []
+
+    def export(off):
+        calls.append(off)
+        if any(f"{f}._input_quantizer" in off for f in fail):
+            raise ValueError("does not verify")
+        return repr(sorted(off)).encode(), sorted(off)
+
+    return _fallback.search(_check(first), groups, export, lambda data: _check(ratio_of(eval(data.decode()))),
+                            budget_s, try_s), calls
+
+
+def test_the_search_keeps_what_is_faster_and_stops_once_the_file_is_not_slower():
+    # turning off c helps, b does not, a would help more but the file is already fast enough by then
+    gain = {"c._input_quantizer": 0.15, "b._input_quantizer": -0.05, "a._input_quantizer": 0.3}
+    (record, kept), calls = _run(0.9, _groups("c", "b", "a", "d"), lambda off: 0.9 + sum(gain[q] for q in off))
+    assert kept == ["c._input_quantizer"] and record.layers == ["c"]
+    assert [t.kept for t in record.tries] == [True]
+    assert record.after.ratio == pytest.approx(1.05) and "at least as fast as FP32" in record.stopped
+    assert len(calls) == 1
+
+
+def test_a_try_that_is_not_faster_is_dropped_and_the_next_builds_on_the_best():
+    gain = {"c._input_quantizer": -0.05, "b._input_quantizer": 0.05, "a._input_quantizer": 0.06}
+    (record, kept), calls = _run(0.8, _groups("c", "b", "a"), lambda off: 0.8 + sum(gain[q] for q in off))
+    c, b, a = "c._input_quantizer", "b._input_quantizer", "a._input_quantizer"
+    # a pass keeps b, then a on top of b; a second pass tries c again on the new base; then every layer
+    assert calls == [frozenset({c}), frozenset({b}), frozenset({b, a}), frozenset({b, a, c}), frozenset({b, a, c})]
+    assert [t.kept for t in record.tries] == [False, True, True, False, False] and record.layers == ["b", "a"]
+    assert record.tries[-1].group.label == _fallback.EVERY
+    assert record.after.ratio == pytest.approx(0.91) and record.stopped == "every group was tried"
+    assert "sent 2 layer(s) back to float" in record.note() and "0.91x" in record.note()
+
+
+def test_when_no_group_is_enough_the_last_try_is_the_float_model():
+    """Every stage alone helps a little; all of them are still slower than FP32, which the float model is not."""
+    (record, kept), calls = _run(0.8, _groups("c", "b", "a"), lambda off: 1.02 if len(off) == 3 else 0.8 + 0.03 * len(off))
+    # pass 1 keeps c, b and a one by one (0.83, 0.86, then 1.02 with all three off: at least as fast as FP32)
+    assert record.layers == ["c", "b", "a"] and record.after.ratio == pytest.approx(1.02) and len(calls) == 3
+    (record, kept), calls = _run(0.8, _groups("c", "b", "a"), lambda off: 0.85 if len(off) < 3 else 1.0)
+    # c helps (0.85), b and a on top of it do not, and pass 2 neither: the float model does (1.0)
+    assert record.tries[-1].group.label == _fallback.EVERY and record.tries[-1].kept
+    assert record.layers == ["c", "b", "a"] and record.after.ratio == pytest.approx(1.0)
+    assert sorted(kept) == sorted(["c._input_quantizer", "b._input_quantizer", "a._input_quantizer"])
+
+
+def test_noise_sized_gains_send_nothing_to_float():
+    (record, kept), _ = _run(0.9, _groups("c", "b"), lambda off: 0.9 * (1 + 0.004 * len(off)))
+    assert kept is None and record.layers == [] and not any(t.kept for t in record.tries)
+    assert "none was faster" in record.note()
+
+
+def test_a_copy_that_does_not_verify_is_skipped_and_said():
+    (record, kept), _ = _run(0.9, _groups("c", "b"), lambda off: 0.9 + 0.2 * len(off), fail=("c",))
+    assert record.tries[0].check is None and "does not verify" in record.tries[0].text()
+    assert kept == ["b._input_quantizer"] and record.layers == ["b"]
+
+
+def test_the_time_budget_bounds_the_search():
+    (record, kept), calls = _run(0.9, _groups("c", "b"), lambda off: 1.2, budget_s=5.0, try_s=10.0)
+    assert calls == [] and kept is None and "time budget" in record.stopped
+
+
+# =========================================================================== through export_onnx
+def _quantized_gemm(proto: onnx.ModelProto) -> bool:
+    """The head's Gemm/MatMul reads a dequantized weight (the linear is quantized in this file)."""
+    made_by = {o: n.op_type for n in proto.graph.node for o in n.output}
+    inits = {i.name for i in proto.graph.initializer}
+    return any(n.op_type in ("Gemm", "MatMul") and made_by.get(n.input[1]) == "DequantizeLinear"
+               and n.input[1] not in inits for n in proto.graph.node)
+
+
+def _cost_model(monkeypatch, fp32_ms=1.5, slow_head_ms=1.0):
+    """Round times from the file: the INT8 file takes 1 ms, plus ``slow_head_ms`` when its head is quantized."""
+    timed = []
+
+    def rounds(int8_model, fp32_model, feeds, providers=None, **kw):
+        head = _quantized_gemm(onnx.load_from_string(int8_model))
+        timed.append(head)
+        t = 1e-3 * (1.0 + (slow_head_ms if head else 0.0))
+        return [t] * 5, [fp32_ms * 1e-3] * 5, 3
+
+    monkeypatch.setattr(_timing, "time_rounds", rounds)
+    return timed
+
+
+def test_a_slower_file_is_replaced_by_the_copy_timing_says_is_faster(tmp_path, monkeypatch):
+    x = torch.randn(4, 3, 16, 16)
+    model = _quantized(x)
+    before = _enabled(model)
+    timed = _cost_model(monkeypatch)
+    res = export_onnx(model, x, tmp_path / "m.onnx")
+    # the first file; the copy with b3.0 (a conv onnxruntime runs in float between Q/DQ: a float ReLU reads it)
+    # in float: not faster, dropped; the copy with the last stage (the head) in float: kept, and fast enough
+    assert timed == [True, True, False]
+    assert [(t.group.label, t.group.layers, t.kept) for t in res.fallback.tries] == [
+        (_fallback.BETWEEN_QDQ, ("b3.0",), False), ("stage head", ("head",), True)]
+    assert res.float_fallback == ["head"] and res.fallback.before.ratio == pytest.approx(0.75)
+    assert res.speed_check.ratio == pytest.approx(1.5) and res.speedup == pytest.approx(1.5)
+    assert "sent 1 layer(s) back to float" in " ".join(res.warnings)
+    assert "sent back to float after timing (0.75x -> 1.50x): head" in res.summary()
+    row = next(r for r in report.kernel_rows(res) if r[0] == "head")
+    assert row[2] == "float" and "sent back to float after timing" in row[3] and "0.75x" in row[3]
+    assert res.kernel_of("head") == "float (sent back to float after timing)"
+    assert res.kernel_of("b1.0") == "QLinearConv"
+    assert _enabled(model) == before  # the user's model keeps every quantizer
+    saved = onnx.load(str(tmp_path / "m.onnx"))
+    assert not _quantized_gemm(saved) and res.path == str(tmp_path / "m.onnx")
+    assert any(n.op_type == "QuantizeLinear" for n in saved.graph.node)  # the rest stays INT8
+    assert not list(tmp_path.glob("*.unverified.onnx"))
+    # the file computes the model with the head's quantizers off (independent reference: PyTorch on that copy),
+    # and not the model with every quantizer
+    assert res.fallback.quantizers == ["head._input_quantizer", "head._weight_quantizer"]
+    ref = copy.deepcopy(model)
+    ref.head._input_quantizer.disable()
+    ref.head._weight_quantizer.disable()
+    documented = copy.deepcopy(model)  # what docs/reference.md tells a user to do
+    for q in res.fallback.quantizers:
+        documented.get_submodule(q).disable()
+    assert _enabled(documented) == _enabled(ref)
+    with torch.no_grad():
+        want, full = ref(x).numpy(), model(x).numpy()
+    got = _verify.run(_verify.make_session(str(tmp_path / "m.onnx")), [x.numpy()])[0]
+    assert res.judge([got], [want]) == ""
+    assert np.abs(got - want).max() < 0.25 * np.abs(got - full).max()
+
+
+def test_a_file_that_is_not_slower_or_is_timed_in_noisy_rounds_is_kept_as_it_is(tmp_path, monkeypatch):
+    x = torch.randn(4, 3, 16, 16)
+    model = _quantized(x)
+    timed = _cost_model(monkeypatch, fp32_ms=2.5)  # 1.25x: nothing to do
+    res = export_onnx(model, x, tmp_path / "a.onnx")
+    assert timed == [True] and res.fallback is None and res.float_fallback == []
+    assert _quantized_gemm(onnx.load(str(tmp_path / "a.onnx")))
+
+    def noisy(int8_model, fp32_model, feeds, providers=None, **kw):
+        return [1e-3] * 5, [0.7e-3, 0.8e-3, 0.9e-3, 1.1e-3, 1.3e-3], 3
+
+    monkeypatch.setattr(_timing, "time_rounds", noisy)
+    res = export_onnx(model, x, tmp_path / "b.onnx")
+    assert res.speed_check.noisy and res.speed_check.slower and res.fallback is None
+    assert any("measurement is noisy" in w for w in res.warnings)
+
+
+def test_fallback_seconds_zero_only_warns(tmp_path, monkeypatch):
+    x = torch.randn(4, 3, 16, 16)
+    model = _quantized(x)
+    timed = _cost_model(monkeypatch)
+    res = export_onnx(model, x, tmp_path / "m.onnx", fallback_seconds=0)
+    assert timed == [True] and res.fallback is None and res.speed_check.slower
+    assert any("0.75x the speed of the plain FP32 export" in w for w in res.warnings)
+    assert _quantized_gemm(onnx.load(str(tmp_path / "m.onnx")))
+    for bad in (-1, "1", True):
+        with pytest.raises(ValueError, match="fallback_seconds"):
+            ExportConfig(fallback_seconds=bad)
+
+
+def test_when_no_copy_is_faster_the_file_stays_and_the_warning_lists_the_tries(tmp_path, monkeypatch):
+    x = torch.randn(4, 3, 16, 16)
+    model = _quantized(x)
+    monkeypatch.setattr(_timing, "time_rounds",  # every file 2 ms against FP32's 1.5 ms
+                        lambda int8_model, fp32_model, feeds, providers=None, **kw: ([2e-3] * 5, [1.5e-3] * 5, 3))
+    res = export_onnx(model, x, tmp_path / "m.onnx")
+    assert res.fallback is not None and res.float_fallback == [] and len(res.fallback.tries) >= 5
+    assert all(not t.kept for t in res.fallback.tries) and res.fallback.stopped == "every group was tried"
+    text = " ".join(res.warnings)
+    assert "0.75x the speed of the plain FP32 export" in text and "none was faster" in text
+    assert _quantized_gemm(onnx.load(str(tmp_path / "m.onnx")))
+    assert "sent back to float" not in res.summary()
+
+
+def test_the_callback_warns_when_layers_went_back_to_float(monkeypatch, tmp_path):
+    """The fallback's note is a warning in the callback's report, like a slower file's: the file no longer
+    computes every quantizer the trained model has."""
+    from types import SimpleNamespace
+
+    import lq.export
+    from lq.callbacks.export import QuantExport
+
+    record = _fallback.Fallback(layers=["head"], quantizers=["head._input_quantizer"], before=_check(0.8),
+                                after=_check(1.1), tries=[], stopped="done")
+    monkeypatch.setattr(lq.export, "export_onnx", lambda model, sample, path, **kw: SimpleNamespace(
+        max_abs_diff=None, speedup=1.1, speed_check=record.after, layer_kernels=[], fallback=record,
+        warnings=["an ordinary note", record.note()]))
+    model = nn.Linear(3, 2)
+    model.device = torch.device("cpu")
+    cb = QuantExport(ExportConfig(path=str(tmp_path / "m.onnx")), sample_input=lambda t, m: torch.ones(2, 3))
+    with pytest.warns(UserWarning, match="sent 1 layer\\(s\\) back to float") as caught:
+        cb.run(SimpleNamespace(default_root_dir=str(tmp_path)), model)
+    assert not any("an ordinary note" in str(w.message) for w in caught)
