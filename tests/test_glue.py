@@ -323,7 +323,7 @@ def test_quant_callback_trains_checkpoints_and_exports_a_model_with_plain_adds(t
     L.seed_everything(0)
     model = LitResidual()
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
-    cb = lq.QuantCallback(export=ExportConfig(path="int8.onnx"), verbose=False)
+    cb = lq.QuantCallback(export=ExportConfig(path="int8.onnx", fallback_seconds=0), verbose=False)
     L.Trainer(max_epochs=1, limit_train_batches=4, limit_val_batches=2, logger=False, enable_progress_bar=False,
               enable_model_summary=False, default_root_dir=str(tmp_path), accelerator="cpu",
               callbacks=[cb, ckpt]).fit(model, datamodule=dm)

@@ -163,6 +163,7 @@ def _fall_back(prep, cfg: ExportConfig, providers: list, timer: _speed.Timer, fi
         def export(off):
             candidate = copy.deepcopy(prep.work)
             _fallback.disable(candidate, sorted(off))
+            _fallback.check_fidelity(_prepare.outputs(candidate, prep.args), prep.cases[0][1])
             res = export_onnx(candidate, prep.args, config=dataclasses.replace(inner, path=next(paths)))
             with open(res.path, "rb") as f:
                 return f.read(), res

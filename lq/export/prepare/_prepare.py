@@ -60,7 +60,7 @@ def prepare(model, sample_input, cfg: ExportConfig) -> Prepared:
     work = copy.deepcopy(model).cpu().float().eval()
     for p in work.parameters():
         p.requires_grad_(False)
-    ref_out = _outputs(work, args)
+    ref_out = outputs(work, args)
     cases = [(args, ref_out)]
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     dims = [_inputs.dynamic_dims(a, cfg.dynamic_batch, cfg.dynamic_spatial, extra)
@@ -70,7 +70,7 @@ def prepare(model, sample_input, cfg: ExportConfig) -> Prepared:
         grown = _inputs.grown(args, dims)
         what = "dynamic_spatial=True" if cfg.dynamic_spatial else f"dynamic_dims={cfg.dynamic_dims}"
         try:
-            cases.append((grown, _outputs(work, grown)))
+            cases.append((grown, outputs(work, grown)))
         except Exception as e:
             raise ExportError(
                 f"{what}, but the model does not run on an input twice the sample's size along those axes "
@@ -87,7 +87,8 @@ def prepare(model, sample_input, cfg: ExportConfig) -> Prepared:
                     output_names=output_names, opset=opset, device_type=device_type)
 
 
-def _outputs(work: torch.nn.Module, inputs: tuple) -> list[np.ndarray]:
+def outputs(work: torch.nn.Module, inputs: tuple) -> list[np.ndarray]:
+    """The model's outputs on ``inputs`` as the export sees them (export mode, no grad), flattened, as numpy."""
     with torch.no_grad(), _model_checks.export_mode(work):
         return [o.detach().float().numpy() for o in _inputs.flatten_out(work(*inputs))]
 

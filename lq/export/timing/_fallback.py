@@ -4,7 +4,9 @@ The placement rules (:mod:`lq.rules.onnxruntime`, :mod:`lq.glue`) put Q/DQ where
 integer kernels faster; on a model or batch they did not foresee, the Q/DQ conversions can cost more than the
 integer kernels save. The export then measures instead of predicting: it exports copies of the model with groups
 of quantizers turned off, verifies each against that copy in PyTorch (so the file still computes exactly what
-a model says), times each against the same FP32 file, and keeps a copy only where the timing says it is faster.
+a model says), refuses a copy whose outputs move from the quantized model's beyond :data:`FIDELITY` (a model
+trained quantized can compute something else without its quantizers), times each against the same FP32 file,
+and keeps a copy only where the timing says it is faster.
 
 The groups, in the order they are tried (:func:`groups`):
 
@@ -41,6 +43,10 @@ from lq.glue._rules import CHILD
 KEEP = 0.01
 #: at most this many stages (consecutive blocks by module path) are tried
 MAX_STAGES = 8
+#: a copy whose PyTorch outputs on the sample are further than this from the model's (relative L2 norm) is not a
+#: candidate: quantizers off must not change what the model computes beyond what quantizing it changed (PTQ of
+#: bench.fallback's digits models: 0.5% and 3.8%; a model trained with QAT from scratch runs far off without them)
+FIDELITY = 0.10
 #: what the first group is called
 BETWEEN_QDQ = "the layers onnxruntime ran in float between Q/DQ"
 #: the last resort: every quantizer off (the float model, as fast as the FP32 file)
@@ -200,6 +206,20 @@ def groups(order: Sequence[str], float_layers: Sequence[str]) -> list[Group]:
         first, last = owner(stage[0]), owner(stage[-1])
         out.append(_group(f"stage {first}" + (f" .. {last}" if last != first else ""), stage))
     return out
+
+
+def check_fidelity(got: Sequence, want: Sequence) -> float:
+    """The relative L2 distance of a copy's outputs ``got`` from the model's ``want`` (numpy arrays, in order);
+    raises ValueError beyond :data:`FIDELITY`."""
+    import numpy as np
+
+    num = sum(float(np.sum((np.asarray(g, np.float64) - np.asarray(w, np.float64)) ** 2)) for g, w in zip(got, want))
+    den = sum(float(np.sum(np.asarray(w, np.float64) ** 2)) for w in want)
+    moved = (num / den) ** 0.5 if den > 0 else (0.0 if num == 0 else float("inf"))
+    if not moved <= FIDELITY:
+        raise ValueError(f"with these quantizers off the model's outputs move {moved:.1%} from the quantized "
+                         f"model's (relative L2 on the sample; at most {FIDELITY:.0%} allowed)")
+    return moved
 
 
 def disable(model: nn.Module, quantizers: Sequence[str]) -> None:
