@@ -197,5 +197,18 @@ def start_run(args) -> tuple[Path, str, float]:
     return out, command(), time.perf_counter()
 
 
+def finish_run(out: Path, name: str, data: dict, title: str, intro: str, table_md: str, cmd: str,
+               seconds: float) -> Path:
+    """Common end of a one-table bench: ``<name>.json`` (``data`` with the machine, command and seconds) and
+    ``<name>.md`` (title, intro, the table, the run's machine and command); returns the markdown's path."""
+    info = machine()
+    write_json(out / f"{name}.json", {**data, "machine": info, "command": cmd, "seconds": seconds})
+    md = out / f"{name}.md"
+    md.write_text("\n".join([f"# {title}", "", intro, "", table_md, "", "## Run", "",
+                             machine_markdown(info, cmd, seconds)]) + "\n")
+    print(f"\nwrote {md} ({seconds:.0f} s)")
+    return md
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)

@@ -130,21 +130,14 @@ def main(argv=None) -> int:
         r = rows[-1]
         _report.log(f"  {r['case']}: FP32 {r['fp32_ms']:.3f} ms, {r['int8_op']} {r['int8_ms']:.3f} ms "
                     f"({r['speedup']:.2f}x)")
-    isa = _report.cpu_isa()
-    seconds = time.perf_counter() - t0
-    _report.write_json(out / "conv_kernels.json", {"rows": rows, "machine": _report.machine(), "command": cmd,
-                                                   "seconds": seconds})
     table = _report.table(["conv (batch 32)", "input channels per group", "products per output", "FP32 conv ms",
                            "INT8 kernel", "INT8 ms", "INT8 speed-up"],
                           [(r["case"], r["channels_per_group"], r["products"], f"{r['fp32_ms']:.3f}", r["int8_op"],
                             f"{r['int8_ms']:.3f}", f"{r['speedup']:.2f}x") for r in rows], "lrrrlrr")
-    lines = ["# Conv kernels: INT8 or float", "",
-             f"Produced by `bench/conv_kernels.py` (CPU: {isa}). One conv's kernel time in onnxruntime's profiler, "
-             "1 thread; INT8 = lq's int8_reduce_range export, which onnxruntime fuses into QLinearConv.", "",
-             table, "", "## Run", "", _report.machine_markdown(_report.machine(), cmd, seconds)]
-    md = out / "conv_kernels.md"
-    md.write_text("\n".join(lines) + "\n")
-    print(f"\nwrote {md} ({seconds:.0f} s)")
+    _report.finish_run(out, "conv_kernels", {"rows": rows}, "Conv kernels: INT8 or float",
+                       f"Produced by `bench/conv_kernels.py` (CPU: {_report.cpu_isa()}). One conv's kernel time in "
+                       "onnxruntime's profiler, 1 thread; INT8 = lq's int8_reduce_range export, which onnxruntime "
+                       "fuses into QLinearConv.", table, cmd, time.perf_counter() - t0)
     return 0
 
 

@@ -131,10 +131,6 @@ def main(argv=None) -> int:
             r = rows[-1]
             _report.log(f"  {label} batch {b}: {r['before']:.2f}x -> {r['after']:.2f}x, float: {r['layers']}, "
                         f"{r['tries']} tries, {r['export_s']:.1f} s")
-    isa = _report.cpu_isa()
-    seconds = time.perf_counter() - t0
-    _report.write_json(out / "fallback.json", {"rows": rows, "machine": _report.machine(), "command": cmd,
-                                               "seconds": seconds})
 
     def pct(v):
         return f"{100 * v:.2f}%"
@@ -145,14 +141,11 @@ def main(argv=None) -> int:
         [(r["model"], r["batch"], f"{r['before']:.2f}x", f"{r['after']:.2f}x" + (" (noisy)" if r["noisy"] else ""),
           _float_cell(r), r["tries"], f"{r['export_s']:.1f}",
           pct(r["acc"]["FP32"]), pct(r["acc"]["fake-quant"]), pct(r["acc"]["file"])) for r in rows], "lrrrlrrrrr")
-    lines = ["# The export's measured fallback", "",
-             f"Produced by `bench/fallback.py` (CPU: {isa}). Ratios: the export's own speed check, the INT8 file "
-             "against the plain FP32 export, onnxruntime, 1 thread. \"file with every quantizer\": before the "
-             "fallback; \"file saved\": what `export_onnx` wrote. Accuracy on the 397 held-out digits.", "",
-             table, "", "## Run", "", _report.machine_markdown(_report.machine(), cmd, seconds)]
-    md = out / "fallback.md"
-    md.write_text("\n".join(lines) + "\n")
-    print(f"\nwrote {md} ({seconds:.0f} s)")
+    _report.finish_run(out, "fallback", {"rows": rows}, "The export's measured fallback",
+                       f"Produced by `bench/fallback.py` (CPU: {_report.cpu_isa()}). Ratios: the export's own speed check, the INT8 "
+                       "file against the plain FP32 export, onnxruntime, 1 thread. \"file with every quantizer\": "
+                       "before the fallback; \"file saved\": what `export_onnx` wrote. Accuracy on the 397 held-out "
+                       "digits.", table, cmd, time.perf_counter() - t0)
     return 0
 
 

@@ -134,7 +134,7 @@ def test_export_parity_and_training_model_untouched(tmp_path, dm):
             snap["state"] = copy.deepcopy(pl_module.state_dict())
             snap["modules"] = [type(m) for m in pl_module.modules()]
 
-    cb = lq.QuantCallback(export=ExportConfig(path="int8.onnx", tolerance=0.2), verbose=False)
+    cb = lq.QuantCallback(export=ExportConfig(path="int8.onnx", tolerance=0.2, fallback_seconds=0), verbose=False)
     trainer = _trainer(tmp_path, [Snap(), cb])
     trainer.fit(model, datamodule=dm)
     path = tmp_path / "int8.onnx"
