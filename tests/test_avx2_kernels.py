@@ -161,7 +161,7 @@ def test_lq_exports_give_pytorchs_numbers_on_avx2(tmp_path, recipe):
     cases, wants, results = [], [], []
     for name, (model, x, options) in models.items():
         model = _calibrated(model, recipe(**options), [x[i:i + 64] for i in range(0, 512, 64)])
-        res = export_onnx(model, x[:32], str(tmp_path / f"{name}.onnx"))
+        res = export_onnx(model, x[:32], str(tmp_path / f"{name}.onnx"), fallback_seconds=0)
         assert res.verified  # on this CPU
         test = x[1400:1464]
         with torch.no_grad():
@@ -198,7 +198,7 @@ def test_library_style_cnn_on_the_onnxruntime_recipe_gives_pytorchs_numbers_on_a
     QuantSwap(Int8OnnxruntimeConfig()).swap(m)
     with torch.no_grad():
         calibrate_model(m, list(x[:64].split(16)))
-    res = export_onnx(m, x[:8], str(tmp_path / "cnn.onnx"))
+    res = export_onnx(m, x[:8], str(tmp_path / "cnn.onnx"), fallback_seconds=0)
     test = x[64:]
     with torch.no_grad():
         want = m(test).numpy()

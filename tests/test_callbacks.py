@@ -503,7 +503,7 @@ def test_lower_precision_calibrates_trains_and_exports(tmp_path, dm, precision):
     """Calibration runs its batches through the precision plugin, as training does (bf16-true failed with a
     float input against bf16 weights)."""
     model = _model()
-    cb = lq.QuantCallback(verbose=False)
+    cb = lq.QuantCallback(export=ExportConfig(fallback_seconds=0), verbose=False)  # the model's own file
     _trainer(tmp_path, [cb], precision=precision).fit(model, datamodule=dm)
     amax = _amax(model)
     assert amax and all(torch.isfinite(a.float()).all() and (a > 0).all() for a in amax.values())
@@ -523,7 +523,7 @@ class _NaNAtStep(lq.zoo.SmallCNN):
 def test_a_nan_batch_mid_qat_is_skipped_and_named(tmp_path, dm):
     L.seed_everything(0)
     model = _NaNAtStep(channels=8, max_epochs_hint=2)
-    cb = lq.QuantCallback(qat=QATConfig(learn_amax=True), verbose=False)
+    cb = lq.QuantCallback(qat=QATConfig(learn_amax=True), export=ExportConfig(fallback_seconds=0), verbose=False)
     with pytest.warns(UserWarning, match=r"step 2 .*non-finite gradients in \d+ parameter\(s\) \(stem.*skipped"):
         _trainer(tmp_path, [cb], limit_train_batches=6).fit(model, datamodule=dm)
     assert cb.schedule.skipped_steps == 1
