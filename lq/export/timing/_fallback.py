@@ -110,8 +110,9 @@ class Fallback:
                     f" The file now runs at {self.after.ratio:.2f}x ({self.after.details()}) and computes the model "
                     "with those layers' quantizers off (verified so)")
         else:
-            head = (f"the file runs at {self.before.ratio:.2f}x the speed of FP32; lq timed copies with layers back "
-                    "in float and none was faster, so the file keeps every quantizer")
+            head = (f"the file runs at {self.before.ratio:.2f}x the speed of FP32; lq tried copies with layers back "
+                    "in float and kept none (none was faster, or usable: see each try), so the file keeps every "
+                    "quantizer")
         return f"{head}. Tried: {tried}. Stopped: {self.stopped}"
 
 
