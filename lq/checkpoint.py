@@ -97,7 +97,7 @@ def load_quantized(module_class, checkpoint_path: str, map_location: Any = "cpu"
     hparams = dict(ckpt.get("hyper_parameters") or {})
     hparams.update(kwargs)
     model = module_class(**hparams)
-    QuantSwap(quant, learn_amax=learn_amax).swap(model)
+    QuantSwap(quant, learn_amax=learn_amax).swap(model, _placement_sample(ckpt, model))
     model.load_state_dict(ckpt["state_dict"], strict=strict)
     model.eval()
     return model
@@ -111,6 +111,20 @@ def load_quantized_state(model: torch.nn.Module, checkpoint_path: str, map_locat
 
     ckpt = read_checkpoint(checkpoint_path, map_location, trusted)
     quant, learn_amax = quant_config_from_checkpoint(ckpt)
-    QuantSwap(quant, learn_amax=learn_amax).swap(model)
+    QuantSwap(quant, learn_amax=learn_amax).swap(model, _placement_sample(ckpt, model))
     model.load_state_dict(ckpt["state_dict"], strict=strict)
     return model.eval()
+
+
+def _placement_sample(checkpoint: dict, model: torch.nn.Module):
+    """The stand-in inputs the callback captured the model with (:func:`lq.callbacks.swap.sample_template`), on
+    the model's device, so the rebuilt model gets the quantizers it was trained with."""
+    sample = checkpoint[CHECKPOINT_KEY].get("sample")
+    if sample is None:
+        return None
+    device = next((p.device for p in model.parameters()), None)
+    if device is None:
+        return sample
+    from lightning.pytorch.utilities import move_data_to_device
+
+    return move_data_to_device(sample, device)

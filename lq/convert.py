@@ -383,7 +383,7 @@ def summarize(model: nn.Module) -> QuantizationSummary:
 
 # ====================================================================== conversion
 def _quantize_with_recipe(model, recipe, target, *, type_map, include, exclude, overrides, glue,
-                          unsigned_after_relu, recurrent, activations) -> "QuantizationSummary":
+                          unsigned_after_relu, recurrent, activations, sample) -> "QuantizationSummary":
     """quantize_model without descriptors: the recipe (or the target's), changed by the arguments given."""
     from dataclasses import replace
 
@@ -402,7 +402,7 @@ def _quantize_with_recipe(model, recipe, target, *, type_map, include, exclude, 
     changes["exclude"] = list(cfg.exclude) + list(_as_patterns(exclude, "exclude"))
     cfg = replace(cfg, **changes)
     return _recipe.apply_recipe(model, cfg, type_map=None if type_map is None else _normalize_type_map(type_map),
-                                overrides=dict(_normalize_overrides(overrides)))
+                                overrides=dict(_normalize_overrides(overrides)), sample=sample)
 
 
 @dataclass
@@ -430,6 +430,7 @@ def quantize_model(
     activations: bool | None = None,
     recipe=None,
     target: str | None = None,
+    sample=None,
 ) -> QuantizationSummary:
     """Replace the float modules of ``model`` by quantized ones, in place.
 
@@ -490,7 +491,7 @@ def quantize_model(
     if quant_desc_input is None and quant_desc_weight is None:
         return _quantize_with_recipe(model, recipe, target, type_map=type_map, include=include, exclude=exclude,
                                      overrides=overrides, glue=glue, unsigned_after_relu=unsigned_after_relu,
-                                     recurrent=recurrent, activations=activations)
+                                     recurrent=recurrent, activations=activations, sample=sample)
     if recipe is not None or target is not None:
         raise ValueError("quantize_model: give a recipe (recipe= or target=) or descriptors (quant_desc_input/"
                          "quant_desc_weight), not both: a recipe sets both descriptors")
@@ -576,10 +577,12 @@ def quantize_model(
 
         graphs: dict = {}
         will_be_quantized = lambda m: isinstance(m, QuantMixin) or id(m) in targets  # noqa: E731
+        captured, capture_notes = _captured(model, sample)
         glue_plans, glue_outputs, glue_already, glue_notes = _glue.plan(
             model, selected=lambda n: _matches(n, include) and not _matches(n, exclude),
             skip=will_be_quantized, will_be_quantized=will_be_quantized, graphs=graphs,
-            optional=frozenset({"mul", "relu_norm", "sloped"}) if activations else frozenset())
+            optional=frozenset({"mul", "relu_norm", "sloped"}) if activations else frozenset(), captured=captured)
+        glue_notes = capture_notes + glue_notes
         if activations:  # the float stem and what reads it in float (lq.glue._float_region)
             region = _float_region.float_region(model, graphs, glue_plans if glue else [], will_be_quantized,
                                                 _glue._outputs.pooled_stems(model, graphs))
@@ -677,7 +680,7 @@ def quantize_model(
         except Exception as e:  # noqa: BLE001 - a module whose rewrite fails keeps its glue float
             glue_notes.append(f"{p.name or 'the model'} ({type(p.module).__name__}): its +, torch.cat and matmul "
                               f"stay float (rewriting its forward failed: {type(e).__name__}: {e})")
-            p.cls = None
+            p.cls = p.table = None
             continue
         if region is not None:  # a squeeze-excite product in the float region: float (lq.glue._float_region)
             for site in p.sites:
@@ -686,7 +689,7 @@ def quantize_model(
                         p.quantizers[q].disable()
         if device is not None:
             p.quantizers.to(device)
-    glue_plans = [p for p in glue_plans if p.cls is not None]
+    glue_plans = [p for p in glue_plans if p.built]
     output_quantizers = []
     for o in glue_outputs:
         q = _glue.GlueQuantizer(glue_desc(o.path))
@@ -722,6 +725,50 @@ def quantize_model(
                 m.use_nested_tensor = False
                 notes.append(f"{name or 'model'}: nested-tensor fast path turned off (it would bypass the quantizers)")
     return QuantizationSummary(layers, notes)
+
+
+def _call_args(sample) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of a model call on ``sample``: a tensor, a tuple/list of positional inputs, or a dict of
+    keyword inputs (what :func:`lq.export_onnx` takes)."""
+    if isinstance(sample, dict):
+        return (), dict(sample)
+    if isinstance(sample, (list, tuple)):
+        return tuple(sample), {}
+    return (sample,), {}
+
+
+def _captured(model: nn.Module, sample):
+    """``(capture or None, notes)``: the model run once on ``sample`` (or its ``example_input_array``, Lightning's
+    attribute) and recorded, in eval and in train mode (a module whose forward runs other ops in training keeps
+    its glue float: the quantizers are placed by counting its calls). Without a sample, or when the run fails,
+    placement traces each module with torch.fx, and a note says so."""
+    from lq.capture import capture
+
+    if sample is None:
+        sample = getattr(model, "example_input_array", None)
+    if sample is None:
+        return None, ["no sample to capture the model with: glue placed per module by torch.fx tracing "
+                      "(quantize_model(model, sample=batch_of_inputs) places it on the whole model's graph)"]
+    args, kwargs = _call_args(sample)
+    try:
+        captured = capture(model, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - the fx path still quantizes the layers
+        return None, [f"running the model on the sample failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}): "
+                      "glue placed per module by torch.fx tracing"]
+    try:
+        trained = capture(model, args, kwargs, training=True)
+    except Exception:  # noqa: BLE001 - e.g. BatchNorm on one row: nothing to compare with
+        trained = None
+    if trained is not None:
+        for mid, graph in captured.graphs.items():
+            other = trained.graphs.get(mid)
+            if other is not None and mid not in captured.varying and _keys(graph) != _keys(other):
+                captured.varying[mid] = "its forward runs other ops in training than in evaluation"
+    return captured, list(captured.notes)
+
+
+def _keys(graph) -> list:
+    return [n.meta.get("lq_call", (n.op, n.target))[0] for n in graph.nodes if n.op != "placeholder"]
 
 
 def _unsigned_desc(d):

@@ -44,11 +44,12 @@ def input_config(cfg, learn_amax: bool):
 
 
 def apply_recipe(model: nn.Module, quant: QuantConfig, *, learn_amax: bool = False, type_map=None,
-                 overrides: dict | None = None) -> Any:
+                 overrides: dict | None = None, sample=None) -> Any:
     """Quantize ``model`` in place per ``quant``; returns the conversion summary.
 
     ``type_map`` (lq.quantize_model's meaning) replaces the recipe's layer types; ``overrides``
-    (``{glob: {"input"/"weight": QuantDescriptor}}``) apply after the recipe's own.
+    (``{glob: {"input"/"weight": QuantDescriptor}}``) apply after the recipe's own; ``sample``: inputs to capture
+    the model with (:func:`lq.convert.quantize_model`).
     """
     from lq.convert import quantize_model
     from lq.nn.modules.tensor_quantizer import name_quantizers
@@ -76,6 +77,7 @@ def apply_recipe(model: nn.Module, quant: QuantConfig, *, learn_amax: bool = Fal
         unsigned_after_relu=quant.unsigned_after_relu,
         recurrent=quant.recurrent,
         activations=quant.activations,
+        sample=sample,
     )
     name_quantizers(model, overwrite=True)
     _apply_enabled(model, quant)

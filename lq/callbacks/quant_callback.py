@@ -152,6 +152,7 @@ class QuantCallback(L.Callback):
             "calib": asdict(self.calib),
             "qat": asdict(self.qat),
             "export": asdict(self.export),
+            "sample": self.swap.template,
         }
 
     def state_dict(self) -> dict[str, Any]:

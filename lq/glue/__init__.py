@@ -22,7 +22,8 @@ from torch import nn
 
 from lq.glue import _outputs
 from lq.glue._outputs import OutputSite
-from lq.glue._rewrite import CHILD, GlueQuantized, GlueQuantizer, commit, glue_class, remove
+from lq.glue import _at_calls
+from lq.glue._rewrite import CHILD, GlueQuantized, GlueQuantizer, call_table, commit, glue_class, remove
 from lq.glue._rules import (FUNCTIONS, INPUT_QUANTIZER, METHODS, TIE_THROUGH_FUNCTIONS, TIE_THROUGH_METHODS, TIE_THROUGH_MODULES,
                             RELU_NORM, SLOPED, TIED_LAYERS, GlueRule)
 from lq.glue._sites import Site, find_sites
@@ -50,6 +51,11 @@ class GluePlan:
     sites: list[Site]
     quantizers: nn.ModuleDict | None = None
     cls: type | None = None
+    #: placed on a captured graph: the call table (lq.glue._at_calls) instead of a generated class
+    captured: bool = False
+    #: ``{(call key, ordinal): layer path}``: layers a captured forward called as functions on their weight
+    layer_calls: dict = dataclasses.field(default_factory=dict)
+    table: dict | None = None
 
     def path(self, quantizer: str) -> str:
         """The module path of one of this plan's quantizers (what state_dict keys and overrides use)."""
@@ -70,10 +76,17 @@ class GluePlan:
                     del s.tied[i]
         self.quantizers = nn.ModuleDict({q: GlueQuantizer(desc_for(self.path(q)))
                                          for s in self.sites for q in s.quantizer_names()})
-        self.cls = glue_class(self.module, self.graph, self.sites, self.quantizers)
+        if self.captured:
+            self.table = call_table(self.sites, self.layer_calls)
+        else:
+            self.cls = glue_class(self.module, self.graph, self.sites, self.quantizers)
+
+    @property
+    def built(self) -> bool:
+        return self.cls is not None or self.table is not None
 
     def commit(self) -> None:
-        commit(self.module, self.cls, self.quantizers)
+        commit(self.module, self.cls, self.quantizers, self.table)
 
     def site_quantizers(self, site: Site) -> list:
         """Every quantizer a site applies: its own, then the layers' input quantizers it is tied to."""
@@ -91,7 +104,7 @@ class GluePlan:
 
 
 def is_glue_quantized(m: nn.Module) -> bool:
-    return isinstance(m, GlueQuantized)
+    return isinstance(m, GlueQuantized) or _at_calls.installed(m)
 
 
 def _is_library(m: nn.Module) -> bool:
@@ -181,13 +194,28 @@ def unsigned_inputs(model: nn.Module, graphs: dict, plans: list[GluePlan], will_
     return NonNegative(model, graphs, sites, will_be_quantized).unsigned()
 
 
+def _layer_calls(parent: nn.Module, graph: fx.Graph, will_be_quantized) -> dict:
+    """``{(call key, ordinal): layer path}`` of a captured graph's layers called as functions on their weight
+    (:data:`lq.capture.LAYER_FUNCTIONS`) that will be quantized."""
+    from lq.capture import LAYER_FUNCTIONS
+
+    out = {}
+    for n in graph.nodes:
+        call = n.meta.get("lq_call")
+        if n.op == "call_module" and call is not None and call[0][1] in LAYER_FUNCTIONS \
+                and will_be_quantized(parent.get_submodule(n.target)):
+            out[call] = n.target
+    return out
+
+
 def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.Module], bool],
          will_be_quantized: Callable[[nn.Module], bool], graphs: dict | None = None,
-         optional: frozenset = frozenset()):
+         optional: frozenset = frozenset(), captured=None):
     """``(plans, outputs, already, notes)``: modules whose forward has glue to quantize, layers whose output a
     float op reads (:mod:`lq.glue._outputs`), names of modules that already have glue quantizers, and one note per
-    module that may hold glue but cannot be analysed. ``graphs``: filled with ``{id(module): its traced forward}``
-    for every module traced."""
+    module that may hold glue but cannot be analysed. ``graphs``: filled with ``{id(module): its graph}`` for every
+    module analysed. ``captured``: an :class:`lq.capture.Capture` of the model, whose graphs are used (a module that
+    did not run has no glue); without it each forward is traced with torch.fx."""
     plans, already = [], []
     outputs: dict[int, OutputSite] = {}
 
@@ -205,7 +233,14 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
             continue
         if skip(m) or _is_library(m) or not selected(name):
             continue
-        graph, why = trace(m)
+        if captured is not None:
+            graph, why = captured.graphs.get(id(m)), captured.varying.get(id(m))
+            if why is not None:
+                graph = None
+            elif graph is None:
+                continue  # it never ran on the sample: nothing of it is placed
+        else:
+            graph, why = trace(m)
         if graph is not None and graphs is not None:
             graphs[id(m)] = graph
         if graph is None:
@@ -216,8 +251,9 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
                                                                           relu_norm=RELU_NORM in optional,
                                                                           sloped=SLOPED in optional))
         sites = find_sites(graph, _tie(m, graph, will_be_quantized), m, optional)
-        if sites:
-            plans.append(GluePlan(name, m, graph, sites))
+        layer_calls = _layer_calls(m, graph, will_be_quantized) if captured is not None else {}
+        if sites or layer_calls:
+            plans.append(GluePlan(name, m, graph, sites, captured=captured is not None, layer_calls=layer_calls))
     notes = [f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''} ({cls.__name__}"
              f"{f' x{len(names)}' if len(names) > 1 else ''}): {why}; any +, torch.cat or matmul in its forward "
              "stays float (lq.nn.QuantAdd / QuantCat quantize them explicitly)"

@@ -1,9 +1,10 @@
-"""Put the glue quantizers into a module: a ``lq_glue`` child holding them, and a forward that calls them.
+"""Put the glue quantizers into a module: a ``lq_glue`` child holding them, and what applies them.
 
-The module keeps its identity, its Parameters and its children; only its class changes, to a subclass of
-its own class (``isinstance`` and every method still work) whose ``forward`` is the fx-generated code of
-the rewritten graph. That code reads ``self.<child>`` and ``self.lq_glue.<quantizer>``, so it runs on the
-module itself. :func:`remove` restores the original class and drops the quantizers.
+Placed on a captured graph (:mod:`lq.capture`, the default), the module keeps its class and forward: it gets a
+table of the calls to quantize (:func:`call_table`), applied while its forward runs (:mod:`lq.glue._at_calls`).
+Placed on a graph torch.fx traced (no sample to capture with), the module's class changes to a subclass of its
+own (``isinstance`` and every method still work) whose ``forward`` is the fx-generated code of the rewritten
+graph (:func:`glue_class`). :func:`remove` undoes either and drops the quantizers.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from lq.glue import _at_calls
 from lq.glue._rules import CHILD
 from lq.glue._sites import Site
 from lq.nn.modules.tensor_quantizer import TensorQuantizer
@@ -78,6 +80,30 @@ def glue_class(module: nn.Module, graph: fx.Graph, sites: list[Site], quantizers
     return _CLASSES[key]
 
 
+def call_table(sites: list[Site], layer_calls: dict) -> dict:
+    """``{(call key, ordinal): Call}`` for the sites of a captured graph and the layers called as functions there
+    (``layer_calls``: ``{(key, ordinal): layer path}``)."""
+    table = {k: _at_calls.Call("layer", layer=path) for k, path in layer_calls.items()}
+    for s in sites:
+        key = s.node.meta["lq_call"]
+        if s.rule.kind == "attention":
+            table[key] = _at_calls.Call("attention", quantizers=tuple(f"{CHILD}.{q}" for q in s.quantizer_names()))
+            continue
+        ref = {}
+        for i, (op, own) in enumerate(zip(dict.fromkeys(s.operands), s.operand_names())):
+            ref[op] = s.tied[i] if own is None else f"{CHILD}.{own}"
+        slots = []
+        for kwarg, values in [(None, list(enumerate(s.node.args)))] + [(k, [(0, v)]) for k, v in s.node.kwargs.items()]:
+            for index, v in values:
+                if isinstance(v, fx.Node) and v in ref:
+                    slots.append(_at_calls.Slot(kwarg, index, None, ref[v]))
+                elif isinstance(v, (list, tuple)):
+                    slots += [_at_calls.Slot(kwarg, index, j, ref[e]) for j, e in enumerate(v)
+                              if isinstance(e, fx.Node) and e in ref]
+        table[key] = _at_calls.Call("operands", slots=tuple(slots))
+    return table
+
+
 def _write_out_attention(graph: fx.Graph, s: Site, names: list[str]) -> None:
     """Replace a ``scaled_dot_product_attention`` node by :func:`lq.glue._attention.quantized_sdpa` with the
     site's four quantizers."""
@@ -102,14 +128,21 @@ def _resolve(module: nn.Module, target: str):
     return obj
 
 
-def commit(module: nn.Module, cls: type, quantizers: nn.ModuleDict) -> None:
-    """Give ``module`` its glue quantizers and the generated class (two assignments: cannot fail half way)."""
-    module._modules[CHILD] = quantizers
-    module.__class__ = cls
+def commit(module: nn.Module, cls: type | None, quantizers: nn.ModuleDict, table: dict | None = None) -> None:
+    """Give ``module`` its glue quantizers and either the generated class (fx) or its call table (captured)."""
+    if len(quantizers):
+        module._modules[CHILD] = quantizers
+    if table is not None:
+        _at_calls.install(module, table)
+    else:
+        module.__class__ = cls
 
 
 def remove(module: nn.Module) -> None:
-    """Undo :func:`rewrite`: the original class, no ``lq_glue`` child."""
+    """Undo :func:`commit`: the original class or no call table, no ``lq_glue`` child."""
     if isinstance(module, GlueQuantized):
         module.__class__ = module._lq_float_class
+        module._modules.pop(CHILD, None)
+    if _at_calls.installed(module):
+        _at_calls.uninstall(module)
         module._modules.pop(CHILD, None)
