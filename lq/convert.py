@@ -581,7 +581,7 @@ def quantize_model(
         glue_plans, glue_outputs, glue_already, glue_notes = _glue.plan(
             model, selected=lambda n: _matches(n, include) and not _matches(n, exclude),
             skip=will_be_quantized, will_be_quantized=will_be_quantized, graphs=graphs,
-            optional=frozenset({"mul", "relu_norm", "sloped"}) if activations else frozenset(), captured=captured)
+            optional=_glue.ACTIVATIONS if activations else frozenset(), captured=captured)
         glue_notes = capture_notes + glue_notes
         if activations:  # the float stem and what reads it in float (lq.glue._float_region)
             region = _float_region.float_region(model, graphs, glue_plans if glue else [], will_be_quantized,

@@ -24,8 +24,8 @@ from lq.glue import _outputs
 from lq.glue._outputs import OutputSite
 from lq.glue import _at_calls
 from lq.glue._rewrite import CHILD, GlueQuantized, GlueQuantizer, call_table, commit, glue_class, remove
-from lq.glue._rules import (FUNCTIONS, INPUT_QUANTIZER, METHODS, TIE_THROUGH_FUNCTIONS, TIE_THROUGH_METHODS, TIE_THROUGH_MODULES,
-                            RELU_NORM, SLOPED, TIED_LAYERS, GlueRule)
+from lq.glue._rules import (FUNCTIONS, INPUT_QUANTIZER, METHODS, OUTPUT, TIE_THROUGH_FUNCTIONS, TIE_THROUGH_METHODS,
+                            TIE_THROUGH_MODULES, ACTIVATIONS, RELU_NORM, SLOPED, TIED_LAYERS, GlueRule)
 from lq.glue._sites import Site, find_sites
 from lq.glue._trace import trace
 from lq.nn.modules.tensor_quantizer import TensorQuantizer
@@ -38,7 +38,7 @@ _LIBRARY_PREFIXES = ("torch.", "lq.", "lightning.", "pytorch_lightning.", "torch
 _GLUE_TEXT = re.compile(r"\+|torch\.cat|torch\.concat|@|matmul|\bbmm\b|\.add\(|scaled_dot_product_attention|avg_pool")
 
 _LABELS = {"add": "x + y", "mul": "x * y", "cat": "torch.cat", "matmul": "a @ b", "attention": "scaled_dot_product_attention",
-           "pool": "average pooling"}
+           "pool": "average pooling", "act": "activation input", "output": "output"}
 
 
 @dataclasses.dataclass
@@ -56,10 +56,30 @@ class GluePlan:
     #: ``{(call key, ordinal): layer path}``: layers a captured forward called as functions on their weight
     layer_calls: dict = dataclasses.field(default_factory=dict)
     table: dict | None = None
+    #: where the quantizers are kept when not on the module itself: the nearest ancestor that is no container.
+    #: A container subclass with its own forward (torchvision's ``_DenseBlock(nn.ModuleDict)``) iterates its
+    #: children, and a quantizer child would be called as one of its layers
+    anchor_name: str | None = None
+    anchor: nn.Module | None = None
+
+    def _key(self, quantizer: str) -> str:
+        """The quantizer's name in its holder's ``lq_glue``."""
+        if self.anchor is None:
+            return quantizer
+        rel = self.name[len(self.anchor_name) + 1:] if self.anchor_name else self.name
+        return f"{rel.replace('.', '_')}_{quantizer}"
 
     def path(self, quantizer: str) -> str:
         """The module path of one of this plan's quantizers (what state_dict keys and overrides use)."""
-        return f"{self.name}.{CHILD}.{quantizer}" if self.name else f"{CHILD}.{quantizer}"
+        holder = self.name if self.anchor is None else self.anchor_name
+        return f"{holder}.{CHILD}.{self._key(quantizer)}" if holder else f"{CHILD}.{self._key(quantizer)}"
+
+    def full(self, ref: str) -> str:
+        """The model path of a quantizer a site names relative to the module (``lq_glue.pool_0``: one of this plan's;
+        ``conv1._input_quantizer``: a layer's)."""
+        if ref.startswith(CHILD + "."):
+            return self.path(ref[len(CHILD) + 1:])
+        return f"{self.name}.{ref}" if self.name else ref
 
     def quantizer_paths(self) -> list[str]:
         return [self.path(q) for s in self.sites for q in s.quantizer_names()]
@@ -77,7 +97,7 @@ class GluePlan:
         self.quantizers = nn.ModuleDict({q: GlueQuantizer(desc_for(self.path(q)))
                                          for s in self.sites for q in s.quantizer_names()})
         if self.captured:
-            self.table = call_table(self.sites, self.layer_calls)
+            self.table = call_table(self.sites, self.layer_calls, self._anchored)
         else:
             self.cls = glue_class(self.module, self.graph, self.sites, self.quantizers)
 
@@ -85,8 +105,21 @@ class GluePlan:
     def built(self) -> bool:
         return self.cls is not None or self.table is not None
 
+    def _anchored(self, ref: str) -> str:
+        """A quantizer reference of the call table, relative to where the table resolves it (the anchor)."""
+        if self.anchor is None:
+            return ref
+        if ref.startswith(CHILD + "."):
+            return f"{CHILD}.{self._key(ref[len(CHILD) + 1:])}"
+        rel = self.name[len(self.anchor_name) + 1:] if self.anchor_name else self.name
+        return f"{rel}.{ref}"
+
     def commit(self) -> None:
-        commit(self.module, self.cls, self.quantizers, self.table)
+        if self.anchor is None:
+            commit(self.module, self.cls, self.quantizers, self.table)
+            return
+        commit(self.anchor, None, nn.ModuleDict({self._key(q): m for q, m in self.quantizers.items()}), None)
+        _at_calls.install(self.module, self.table, anchor=self.anchor)
 
     def site_quantizers(self, site: Site) -> list:
         """Every quantizer a site applies: its own, then the layers' input quantizers it is tied to."""
@@ -190,8 +223,22 @@ def unsigned_inputs(model: nn.Module, graphs: dict, plans: list[GluePlan], will_
     :mod:`lq.glue._nonneg`. Run on the traced graphs before :meth:`GluePlan.build` changes them."""
     from lq.glue._nonneg import NonNegative
 
-    sites = {id(p.module): (p.name, p.sites) for p in plans}
+    sites = {id(p.module): (p.full, p.sites) for p in plans}
     return NonNegative(model, graphs, sites, will_be_quantized).unsigned()
+
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _anchor(model: nn.Module, name: str) -> tuple[str, nn.Module]:
+    """The nearest ancestor of the module ``name`` that is not a container (the model itself at the latest)."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        path = ".".join(parts[:i])
+        m = model.get_submodule(path)
+        if not isinstance(m, _CONTAINERS) or not path:
+            return path, m
+    return "", model
 
 
 def _layer_calls(parent: nn.Module, graph: fx.Graph, will_be_quantized) -> dict:
@@ -247,13 +294,16 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
             if _may_have_glue(m):
                 refused.setdefault((type(m), why), []).append(name or "the model")
             continue
-        outputs.update((id(o.layer), o) for o in _outputs.sites_in_graph(m, name, graph, wants, will_be_quantized,
-                                                                          relu_norm=RELU_NORM in optional,
-                                                                          sloped=SLOPED in optional))
+        found = _outputs.sites_in_graph(m, name, graph, wants, will_be_quantized, relu_norm=RELU_NORM in optional,
+                                        sloped=SLOPED in optional, act="act" in optional)
+        outputs.update((id(o.layer), o) for o in found if o.node is None)
         sites = find_sites(graph, _tie(m, graph, will_be_quantized), m, optional)
+        sites += [Site(o.node, OUTPUT, [], f"output_{k}") for k, o in enumerate(o for o in found if o.node is not None)]
         layer_calls = _layer_calls(m, graph, will_be_quantized) if captured is not None else {}
         if sites or layer_calls:
             plans.append(GluePlan(name, m, graph, sites, captured=captured is not None, layer_calls=layer_calls))
+            if captured is not None and isinstance(m, _CONTAINERS):
+                plans[-1].anchor_name, plans[-1].anchor = _anchor(model, name)
     notes = [f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''} ({cls.__name__}"
              f"{f' x{len(names)}' if len(names) > 1 else ''}): {why}; any +, torch.cat or matmul in its forward "
              "stays float (lq.nn.QuantAdd / QuantCat quantize them explicitly)"

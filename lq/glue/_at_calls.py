@@ -27,6 +27,9 @@ from torch.overrides import TorchFunctionMode
 from lq.capture import call_key, in_place
 
 ATTR = "_lq_at_calls"
+#: the module the table's paths are relative to, when not the module itself (a container's quantizers are kept by
+#: its nearest non-container ancestor: lq.glue.GluePlan.anchor)
+ANCHOR = "_lq_at_calls_anchor"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +44,10 @@ class Slot:
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """What happens at one call: ``operands`` quantizes the slots; ``layer`` calls the module at ``layer``
-    instead of the function (``F.linear(x, self.qkv.weight, self.qkv.bias)`` -> ``self.qkv(x)``); ``attention``
-    writes ``scaled_dot_product_attention`` out with the four ``quantizers`` (q, k, probabilities, v)."""
+    """What happens at one call: ``operands`` quantizes the slots; ``output`` quantizes the result with
+    ``quantizers[0]``; ``layer`` calls the module at ``layer`` instead of the function
+    (``F.linear(x, self.qkv.weight, self.qkv.bias)`` -> ``self.qkv(x)``); ``attention`` writes
+    ``scaled_dot_product_attention`` out with the four ``quantizers`` (q, k, probabilities, v)."""
 
     kind: str
     slots: tuple[Slot, ...] = ()
@@ -91,7 +95,7 @@ def _deactivate() -> None:
 class _AtCalls(TorchFunctionMode):
     def __init__(self, module: nn.Module, table: dict):
         super().__init__()
-        self.module = module
+        self.module = module.__dict__.get(ANCHOR) or module  # where the table's paths start
         self.table = table
         self.height = len(_depth.stack)
         self.counts: dict = {}
@@ -117,6 +121,8 @@ def _run(call: Call, module: nn.Module, func, args, kwargs):
         if weight is getattr(layer, "weight", None):
             return layer(x)
         return func(*args, **kwargs)
+    if call.kind == "output":
+        return module.get_submodule(call.quantizers[0])(func(*args, **kwargs))
     if call.kind == "attention":
         from lq.glue._attention import quantized_sdpa
 
@@ -184,10 +190,13 @@ def _leave(module: nn.Module, args, output):
     return None
 
 
-def install(module: nn.Module, table: dict) -> None:
-    """Give ``module`` its table and the two hooks (replacing a table it had)."""
+def install(module: nn.Module, table: dict, anchor: nn.Module | None = None) -> None:
+    """Give ``module`` its table and the two hooks (replacing a table it had); ``anchor``: the module the table's
+    paths start from, when not ``module``."""
     uninstall(module)
     module.__dict__[ATTR] = dict(table)
+    if anchor is not None and anchor is not module:
+        module.__dict__[ANCHOR] = anchor
     module.register_forward_pre_hook(_enter)
     module.register_forward_hook(_leave, always_call=True)
 
@@ -195,6 +204,7 @@ def install(module: nn.Module, table: dict) -> None:
 def uninstall(module: nn.Module) -> None:
     """Take the table and the hooks off ``module`` (found by function, so a deep copy's too)."""
     module.__dict__.pop(ATTR, None)
+    module.__dict__.pop(ANCHOR, None)
     module.__dict__.pop("_lq_at_calls_modes", None)
     for hooks, fn in ((module._forward_pre_hooks, _enter), (module._forward_hooks, _leave)):
         for k in [k for k, h in hooks.items() if h is _enter or h is _leave]:

@@ -47,7 +47,7 @@ _ELEMENTWISE_METHODS = FLOAT_READER_METHODS | RELU_METHODS | KEEP_METHODS
 REASON = "in the float region after the stem, where onnxruntime runs faster in float (lq.glue._float_region)"
 #: glue kinds that run in float when an operand is in the region (a squeeze-excite product, an average pool);
 #: an add, a cat or a matmul quantizes its operands: the region ends there
-_FLOAT_GLUE_KINDS = frozenset({"mul", "pool"})
+_FLOAT_GLUE_KINDS = frozenset({"mul", "pool", "act"})
 _GLOBAL_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
                  nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
 #: pools: lq quantizes the input of the average and max pools (:data:`lq.glue._nonneg.POOL_MODULES`)
@@ -168,7 +168,10 @@ class FloatRegion:
             a0 = n.args[0] if n.args else None
             arg = env.get(a0, OUT) if isinstance(a0, fx.Node) else OUT
             site = by_node.get(n)
-            if site is not None:
+            if site is not None and site.rule.kind == "output":  # an activation's result: float where it reads float
+                self._vote((id(m), site.name), "sites", arg in _INSIDE)
+                env[n] = arg
+            elif site is not None:
                 places = [env.get(op, OUT) for op in site.operands]
                 floats = site.rule.kind in _FLOAT_GLUE_KINDS and any(p in _INSIDE for p in places)
                 self._vote((id(m), site.name), "sites", floats)

@@ -25,12 +25,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from lq.glue._rules import INPUT_QUANTIZER, RELU_MODULES, TIED_LAYERS
+from lq.glue._rules import INPUT_QUANTIZER, RELU_FUNCTIONS, RELU_METHODS, RELU_MODULES, TIED_LAYERS
 from lq.nn.modules.quant_elementwise import FloatAdd, FloatCat
 
-#: outputs >= 0 whatever the input
-RELU_FUNCTIONS = {F.relu, torch.relu, F.relu6}
-RELU_METHODS = {"relu", "relu_"}
 #: outputs >= 0 when the (first) input is
 KEEP_MODULES = (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.Flatten, nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d,
                  nn.Dropout3d)
@@ -55,11 +52,11 @@ _JOINS = (FloatAdd, FloatCat)
 class NonNegative:
     """Votes per quantizer path: was every value it quantized non-negative?"""
 
-    def __init__(self, model: nn.Module, graphs: dict[int, fx.Graph], sites: dict[int, tuple[str, list]],
+    def __init__(self, model: nn.Module, graphs: dict[int, fx.Graph], sites: dict[int, tuple],
                  will_be_quantized):
         self.model = model
         self.graphs = graphs  # id(module) -> its traced forward
-        self.sites = sites  # id(module) -> (module path, its glue sites)
+        self.sites = sites  # id(module) -> (its plan's full(ref): a quantizer reference as a model path, its glue sites)
         self.will_be_quantized = will_be_quantized
         self.votes: dict[str, bool] = {}
         self._active: set[int] = set()
@@ -105,7 +102,7 @@ class NonNegative:
 
     # ------------------------------------------------------------------ one forward
     def graph(self, m: nn.Module, path: str, graph: fx.Graph, nonneg_in: bool) -> bool:
-        prefix, sites = self.sites.get(id(m), (path, []))
+        full, sites = self.sites.get(id(m), (lambda ref: f"{path}.{ref}" if path else ref, []))
         by_node = {s.node: s for s in sites}
         env: dict[fx.Node, bool] = {}
         readers: dict[fx.Node, list[str]] = {}  # tensor -> the quantizers that read it here
@@ -123,13 +120,11 @@ class NonNegative:
             a0 = n.args[0] if n.args else None
             arg_nonneg = isinstance(a0, fx.Node) and env.get(a0, False)
             site = by_node.get(n)
-            if site is not None:
+            if site is not None and site.rule.kind != "output":
                 ops = list(dict.fromkeys(site.operands))
                 for i, (op, own) in enumerate(zip(ops, site.operand_names())):
-                    if own is not None:
-                        q = f"{prefix}.lq_glue.{own}" if prefix else f"lq_glue.{own}"
-                    else:  # tied to a layer's input quantizer: it quantizes this operand too
-                        q = f"{prefix}.{site.tied[i]}" if prefix else site.tied[i]
+                    # own, or tied to a layer's input quantizer that quantizes this operand too
+                    q = full(f"lq_glue.{own}") if own is not None else full(site.tied[i])
                     self._vote(q, env.get(op, False))
                     readers.setdefault(op, []).append(q)
             if n.op == "call_module":
@@ -157,6 +152,10 @@ class NonNegative:
                 env[n] = bool(tensors) and all(env.get(t, False) for t in tensors) and not n.kwargs.get("alpha")
             else:
                 env[n] = False
+            if site is not None and site.rule.kind == "output":  # the result's own quantizer
+                q = full(f"lq_glue.{site.name}")
+                self._vote(q, env[n])
+                readers.setdefault(n, []).append(q)
         for qs in readers.values():  # one grid per tensor
             if any(not self.votes.get(q, True) for q in qs):
                 for q in qs:

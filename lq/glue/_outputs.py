@@ -15,9 +15,9 @@ import torch.fx as fx
 from torch import nn
 
 from lq.rules.onnxruntime import ort_prefers_float_conv
-from lq.glue._rules import (FLOAT_READER_FUNCTIONS, FLOAT_READER_METHODS, FLOAT_READER_MODULES, FOLDED_NORMS,
-                            MAX_POOL_FUNCTIONS, MAX_POOLS, OUTPUT_LAYERS, RELU_MODULES, SLOPED_FUNCTIONS,
-                            SLOPED_MODULES)
+from lq.glue._rules import (ACT_FUNCTIONS, FLOAT_READER_FUNCTIONS, FLOAT_READER_METHODS, FLOAT_READER_MODULES,
+                            FOLDED_NORMS, MAX_POOL_FUNCTIONS, MAX_POOLS, OUTPUT_LAYERS, RELU_FUNCTIONS, RELU_METHODS,
+                            RELU_MODULES, SLOPED_FUNCTIONS, SLOPED_MODULES)
 
 ATTR = "_output_quantizer"
 _HOOK_ID = "_lq_output_hook"
@@ -31,11 +31,14 @@ def quantize_output(module: nn.Module, args, output):
 
 @dataclasses.dataclass
 class OutputSite:
-    """One layer whose output a float op reads."""
+    """One layer whose output a float op reads; or (``node`` set, ``layer`` None) a function call of a forward
+    whose result gets a quantizer where the module form would have one (``F.relu`` before a BatchNorm): the glue
+    site :data:`lq.glue._rules.OUTPUT` of that forward."""
 
     name: str  # the layer's module path
-    layer: nn.Module
+    layer: nn.Module | None
     reader: str  # what reads it, for the summary
+    node: fx.Node | None = None
 
     @property
     def path(self) -> str:
@@ -53,12 +56,17 @@ def _float_reader(m: nn.Module, quantized=_never, sloped: bool = False) -> bool:
     return isinstance(m, kinds) and not quantized(m)
 
 
-def _reader(node: fx.Node, parent: nn.Module, quantized=_never, sloped: bool = False) -> str | None:
+def _reader(node: fx.Node, parent: nn.Module, quantized=_never, sloped: bool = False,
+            act: bool = False) -> str | None:
+    """What ``node`` is, when it reads its input in float (None otherwise); ``act``: SiLU/HardSwish functions quantize
+    their own input (an ``act`` glue site), as the swapped modules do."""
     if node.op == "call_module":
         m = parent.get_submodule(node.target)
         return type(m).__name__ if _float_reader(m, quantized, sloped) else None
     if node.op == "call_function" and (node.target in FLOAT_READER_FUNCTIONS
                                        or (sloped and node.target in SLOPED_FUNCTIONS)):
+        if act and node.target in ACT_FUNCTIONS:
+            return None
         return getattr(node.target, "__name__", str(node.target))
     if node.op == "call_method" and node.target in FLOAT_READER_METHODS:
         return node.target
@@ -74,21 +82,29 @@ def _folded_norm(node: fx.Node, parent: nn.Module) -> fx.Node | None:
     return None
 
 
+def is_relu(node: fx.Node, parent: nn.Module) -> bool:
+    """A ReLU (ReLU6) as a module, a function or a tensor method."""
+    if node.op == "call_module":
+        return isinstance(parent.get_submodule(node.target), RELU_MODULES)
+    return (node.op == "call_function" and node.target in RELU_FUNCTIONS) or \
+        (node.op == "call_method" and node.target in RELU_METHODS)
+
+
 def _relu_then_norm(node: fx.Node, parent: nn.Module) -> fx.Node | None:
-    """The ReLU module call that alone reads ``node`` (the conv's output) and is itself read by a BatchNorm alone
-    (conv -> ReLU -> BatchNorm, the norm after the activation), else None."""
+    """The ReLU (module, function or method) that alone reads ``node`` (the conv's output) and is itself read by a
+    BatchNorm alone (conv -> ReLU -> BatchNorm, the norm after the activation), else None."""
     users = list(node.users)
-    if len(users) != 1 or users[0].op != "call_module" or not isinstance(parent.get_submodule(users[0].target),
-                                                                          RELU_MODULES):
+    if len(users) != 1 or not is_relu(users[0], parent):
         return None
     return users[0] if _folded_norm(users[0], parent) is not None else None
 
 
 def sites_in_graph(parent: nn.Module, prefix: str, graph: fx.Graph, wants, quantized=_never,
-                   relu_norm: bool = False, sloped: bool = False) -> list[OutputSite]:
+                   relu_norm: bool = False, sloped: bool = False, act: bool = False) -> list[OutputSite]:
     """Children of ``parent`` called in ``graph`` whose output (or their BatchNorm's) a float reader takes;
-    ``relu_norm``: also a conv -> ReLU -> BatchNorm's ReLU (:data:`lq.glue._rules.RELU_NORM`); ``sloped``: PReLU and
-    LeakyReLU read as float (:data:`lq.glue._rules.SLOPED`)."""
+    ``relu_norm``: also a conv -> ReLU -> BatchNorm's ReLU (:data:`lq.glue._rules.RELU_NORM`; a ReLU function or
+    method gives a site with ``node`` set); ``sloped``: PReLU and LeakyReLU read as float
+    (:data:`lq.glue._rules.SLOPED`); ``act``: SiLU/HardSwish functions quantize their own input."""
     out = []
     for n in graph.nodes:
         if n.op != "call_module":
@@ -98,15 +114,17 @@ def sites_in_graph(parent: nn.Module, prefix: str, graph: fx.Graph, wants, quant
             continue
         relu = _relu_then_norm(n, parent) if relu_norm else None
         if relu is not None:
+            norm = type(parent.get_submodule(next(iter(relu.users)).target)).__name__
+            if relu.op != "call_module":
+                out.append(OutputSite(prefix, None, norm, node=relu))
+                continue
             owner = parent.get_submodule(relu.target)
             if not has_output_quantizer(owner):
-                norm = next(iter(relu.users))
-                out.append(OutputSite(f"{prefix}.{relu.target}" if prefix else relu.target, owner,
-                                      type(parent.get_submodule(norm.target)).__name__))
+                out.append(OutputSite(f"{prefix}.{relu.target}" if prefix else relu.target, owner, norm))
             continue
         norm = _folded_norm(n, parent)
         at, owner = (norm, parent.get_submodule(norm.target)) if norm is not None else (n, layer)
-        readers = [r for r in (_reader(u, parent, quantized, sloped) for u in at.users) if r]
+        readers = [r for r in (_reader(u, parent, quantized, sloped, act) for u in at.users) if r]
         if readers and not has_output_quantizer(owner):
             out.append(OutputSite(f"{prefix}.{at.target}" if prefix else at.target, owner, readers[0]))
     return out
@@ -185,11 +203,23 @@ def pooled_stems(model: nn.Module, graphs: dict) -> set[int]:
             continue
         for n in graph.nodes:
             stem = stem_block(m.get_submodule(n.target)) if n.op == "call_module" else None
-            if stem is not None and any(
-                    (u.op == "call_function" and u.target in MAX_POOL_FUNCTIONS)
-                    or (u.op == "call_module" and isinstance(m.get_submodule(u.target), MAX_POOLS)) for u in n.users):
+            if stem is not None and _pooled(n, m):
                 out.add(id(stem))
     return out
+
+
+def _pooled(node: fx.Node, parent: nn.Module) -> bool:
+    """A max pool reads ``node``, directly or through the BatchNorms and ReLUs (modules or functions) that alone
+    read it."""
+    for u in node.users:
+        if (u.op == "call_function" and u.target in MAX_POOL_FUNCTIONS) or \
+                (u.op == "call_module" and isinstance(parent.get_submodule(u.target), MAX_POOLS)):
+            return True
+    if len(node.users) == 1:
+        (u,) = node.users
+        if is_relu(u, parent) or (u.op == "call_module" and isinstance(parent.get_submodule(u.target), FOLDED_NORMS)):
+            return _pooled(u, parent)
+    return False
 
 
 def has_output_quantizer(layer: nn.Module) -> bool:

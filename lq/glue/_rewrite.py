@@ -48,6 +48,11 @@ def glue_class(module: nn.Module, graph: fx.Graph, sites: list[Site], quantizers
         if s.rule.kind == "attention":
             _write_out_attention(graph, s, s.quantizer_names())
             continue
+        if s.rule.kind == "output":
+            with graph.inserting_after(s.node):
+                q = graph.call_module(f"{CHILD}.{s.name}", (s.node,))
+            s.node.replace_all_uses_with(q, delete_user_cb=lambda u, q=q: u is not q)
+            continue
         with graph.inserting_before(s.node):
             # the same tensor twice is quantized once; a tied operand by the layer's own input quantizer
             for i, (op, own) in enumerate(zip(dict.fromkeys(s.operands), s.operand_names())):
@@ -80,18 +85,19 @@ def glue_class(module: nn.Module, graph: fx.Graph, sites: list[Site], quantizers
     return _CLASSES[key]
 
 
-def call_table(sites: list[Site], layer_calls: dict) -> dict:
+def call_table(sites: list[Site], layer_calls: dict, where=lambda ref: ref) -> dict:
     """``{(call key, ordinal): Call}`` for the sites of a captured graph and the layers called as functions there
-    (``layer_calls``: ``{(key, ordinal): layer path}``)."""
-    table = {k: _at_calls.Call("layer", layer=path) for k, path in layer_calls.items()}
+    (``layer_calls``: ``{(key, ordinal): layer path}``); ``where(ref)``: a reference relative to the module as the
+    table resolves it (relative to the module that holds the quantizers)."""
+    table = {k: _at_calls.Call("layer", layer=where(path)) for k, path in layer_calls.items()}
     for s in sites:
         key = s.node.meta["lq_call"]
-        if s.rule.kind == "attention":
-            table[key] = _at_calls.Call("attention", quantizers=tuple(f"{CHILD}.{q}" for q in s.quantizer_names()))
+        if s.rule.kind in ("attention", "output"):
+            table[key] = _at_calls.Call(s.rule.kind, quantizers=tuple(where(f"{CHILD}.{q}") for q in s.quantizer_names()))
             continue
         ref = {}
         for i, (op, own) in enumerate(zip(dict.fromkeys(s.operands), s.operand_names())):
-            ref[op] = s.tied[i] if own is None else f"{CHILD}.{own}"
+            ref[op] = where(s.tied[i] if own is None else f"{CHILD}.{own}")
         slots = []
         for kwarg, values in [(None, list(enumerate(s.node.args)))] + [(k, [(0, v)]) for k, v in s.node.kwargs.items()]:
             for index, v in values:
@@ -131,10 +137,14 @@ def _resolve(module: nn.Module, target: str):
 def commit(module: nn.Module, cls: type | None, quantizers: nn.ModuleDict, table: dict | None = None) -> None:
     """Give ``module`` its glue quantizers and either the generated class (fx) or its call table (captured)."""
     if len(quantizers):
-        module._modules[CHILD] = quantizers
+        held = module._modules.get(CHILD)
+        if isinstance(held, nn.ModuleDict) and table is None and cls is None:  # an anchor: add to what it holds
+            held.update(quantizers)
+        else:
+            module._modules[CHILD] = quantizers
     if table is not None:
         _at_calls.install(module, table)
-    else:
+    elif cls is not None:
         module.__class__ = cls
 
 

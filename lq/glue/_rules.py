@@ -25,6 +25,11 @@ rather than a module. Runtimes keep such an op in INT8 only when its inputs are 
   (:attr:`lq.config.QuantConfig.activations`; :data:`OPTIONAL_KINDS`).
 * ``attention`` (``F.scaled_dot_product_attention``) -> written out as its two matmuls with quantizers on
   q, k, the probabilities and v (:mod:`lq.glue._attention`).
+* ``act`` (``F.silu``, ``F.hardswish``) -> one quantizer on the input, what :class:`lq.nn.QuantSiLU` /
+  :class:`lq.nn.QuantHardswish` give the module forms: the layer before runs as an integer kernel and the
+  activation as one float kernel between DQ and Q. Only where the recipe quantizes activations (as ``mul``).
+* ``output`` -> a quantizer on the result of a function call, where the module form of the op gets an output
+  quantizer (:mod:`lq.glue._outputs`): ``F.relu`` between a conv and a BatchNorm (``relu_norm``).
 
 Only ops whose operands are all activations (computed from the module's inputs) count: ``x + self.pos``
 (a parameter) or ``x + 1`` stay as they are. The same table serves both runtimes: the quantizers go into
@@ -54,6 +59,10 @@ MUL = GlueRule("mul", shared=False)
 ATTENTION = GlueRule("attention", shared=False)
 #: average pooling written as a function: its input quantized
 POOL = GlueRule("pool", shared=True)
+#: a smooth activation written as a function: its input quantized (as the module forms are swapped)
+ACT = GlueRule("act", shared=True)
+#: the result of a function call quantized (the functional form of a module's output quantizer)
+OUTPUT = GlueRule("output", shared=True)
 
 #: the attribute of a quantized layer (conv, linear, pool) that quantizes its input
 INPUT_QUANTIZER = "_input_quantizer"
@@ -83,11 +92,14 @@ FUNCTIONS = {
     torch.nn.functional.adaptive_avg_pool1d: POOL, torch.nn.functional.adaptive_avg_pool2d: POOL,
     torch.nn.functional.adaptive_avg_pool3d: POOL, torch.nn.functional.avg_pool1d: POOL,
     torch.nn.functional.avg_pool2d: POOL, torch.nn.functional.avg_pool3d: POOL,
+    torch.nn.functional.silu: ACT, torch.nn.functional.hardswish: ACT,
 }
 #: call_method targets (``x.add(y)``, ``a.matmul(b)``)
 METHODS = {"add": ADD, "matmul": MATMUL, "bmm": MATMUL, "mul": MUL}
 #: kinds quantized only where the recipe asks (``find_sites(..., optional=...)``)
-OPTIONAL_KINDS = frozenset({"mul", "relu_norm", "sloped"})
+OPTIONAL_KINDS = frozenset({"mul", "act", "relu_norm", "sloped"})
+#: what ``QuantConfig.activations`` turns on
+ACTIVATIONS = frozenset({"mul", "act", "relu_norm", "sloped"})
 #: ``relu_norm`` (optional, with ``QuantConfig.activations``): a conv -> ReLU -> BatchNorm (CREPE's layers, nets that
 #: normalize after the activation) gets its output quantizer on the ReLU, which the BatchNorm reads in float: the
 #: conv then runs as QLinearConv with the ReLU fused (a zero point of 0 on an asymmetric grid), as onnxruntime's own
@@ -108,6 +120,9 @@ SLOPED_MODULES = (torch.nn.PReLU, torch.nn.LeakyReLU)
 SLOPED_FUNCTIONS = {torch.nn.functional.prelu, torch.nn.functional.leaky_relu}
 #: activations after which a BatchNorm reader gets the output quantizer (non-negative: the runtime drops them)
 RELU_MODULES = (torch.nn.ReLU, torch.nn.ReLU6)
+#: the same as functions and tensor methods
+RELU_FUNCTIONS = {torch.nn.functional.relu, torch.relu, torch.nn.functional.relu6}
+RELU_METHODS = {"relu", "relu_"}
 #: kinds whose result stays float when only float ops read it, and whose operands tie to a layer's quantizer
 JOIN_KINDS = frozenset({"add", "mul"})
 
@@ -136,9 +151,12 @@ FLOAT_READER_MODULES = (
 )
 FLOAT_READER_FUNCTIONS = {
     torch.nn.functional.silu, torch.nn.functional.gelu, torch.sigmoid, torch.nn.functional.sigmoid, torch.tanh,
-    torch.nn.functional.hardswish, torch.nn.functional.mish, torch.nn.functional.elu, torch.softmax,
-    torch.nn.functional.softmax, torch.nn.functional.group_norm, torch.nn.functional.layer_norm,
+    torch.nn.functional.tanh, torch.nn.functional.hardswish, torch.nn.functional.hardsigmoid,
+    torch.nn.functional.mish, torch.nn.functional.elu, torch.softmax, torch.nn.functional.softmax,
+    torch.nn.functional.group_norm, torch.nn.functional.layer_norm,
 }
+#: float readers that quantize their own input where the recipe quantizes activations (an ``act`` site)
+ACT_FUNCTIONS = {f for f, r in FUNCTIONS.items() if r is ACT}
 FLOAT_READER_METHODS = {"sigmoid", "tanh", "softmax"}
 
 #: an ``add`` whose result only these read (or float readers above, or other such adds) stays float: no

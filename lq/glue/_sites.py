@@ -39,6 +39,8 @@ class Site:
         that is not tied to a layer's input quantizer."""
         if self.rule.kind == "attention":
             return [f"{self.name}_{part}" for part in ("q", "k", "probs", "v")]
+        if self.rule.kind == "output":
+            return [self.name]
         return list(dict.fromkeys(n for n in self.operand_names() if n is not None))
 
 
@@ -80,7 +82,7 @@ def _operands(n: fx.Node, rule: GlueRule) -> list | None:
                 or isinstance(a.get("is_causal", False), fx.Node) or isinstance(a.get("scale"), fx.Node):
             return None  # only Python-valued flags are written out
         return [a.get("query"), a.get("key"), a.get("value")]
-    if rule.kind == "pool":
+    if rule.kind in ("pool", "act"):
         return [n.args[0] if n.args else n.kwargs.get("input")]
     if rule.kind == "cat":
         seq = n.args[0] if n.args else n.kwargs.get("tensors")
@@ -132,7 +134,7 @@ def find_sites(graph: fx.Graph, tie=None, parent=None, optional: frozenset = fro
         if rule.kind == "add" and (n.kwargs.get("alpha", 1) != 1 or (n.op == "call_function" and len(n.args) > 2)):
             continue  # add with a scale: not a plain residual join
         ops = _operands(n, rule)
-        if not ops or len(ops) < (1 if rule.kind == "pool" else 2) or not all(isinstance(o, fx.Node) and o in act for o in ops):
+        if not ops or len(ops) < (1 if rule.shared else 2) or not all(isinstance(o, fx.Node) and o in act for o in ops):
             continue
         k = counts.get(rule.kind, 0)
         counts[rule.kind] = k + 1
@@ -166,10 +168,17 @@ def spatial_mean(n: fx.Node) -> bool:
         return False
     dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
     keepdim = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
-    if keepdim is not True or not isinstance(dims, (tuple, list)) or len(dims) < 2 \
-            or not all(isinstance(d, int) for d in dims):
+    if not isinstance(dims, (tuple, list)) or len(dims) < 2 or not all(isinstance(d, int) for d in dims):
+        return False
+    if keepdim is not True and not _read_by_linear(n):
         return False  # without keepdim it ends a classifier head, which the export handles (mean first)
     return all(d >= 2 for d in dims) or all(d < 0 for d in dims)
+
+
+def _read_by_linear(n: fx.Node) -> bool:
+    """``x.mean((2, 3))`` whose every reader is a layer call: the global average pool of a classifier head written
+    as a mean (torchvision's ``nn.AdaptiveAvgPool2d(1)`` + ``flatten``), quantized as the pool module is."""
+    return bool(n.users) and all(u.op == "call_module" for u in n.users)
 
 
 def _read_by_layer(n: fx.Node, parent) -> bool:

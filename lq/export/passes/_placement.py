@@ -299,15 +299,32 @@ def spatial_mean(g: Graph, mean, rank: int) -> bool:
 
 
 def global_pools(g: Graph, ranks: dict[str, int]) -> int:
-    """``ReduceMean`` over all spatial axes with keepdims -> ``GlobalAveragePool`` (quantized pooling in ORT)."""
+    """``ReduceMean`` over all spatial axes -> ``GlobalAveragePool`` (quantized pooling in ORT); without keepdims
+    (``x.mean((2, 3))``, a classifier head written as a mean) followed by ``Flatten``, as
+    ``nn.AdaptiveAvgPool2d(1)`` + ``nn.Flatten()`` exports: the same numbers, and the same kernels whichever way the
+    head is written."""
     done = 0
-    for k, n in enumerate(g.nodes):
-        if n.op_type != "ReduceMean" or not attr(n, "keepdims", 1):
+    for n in list(g.nodes):
+        if n.op_type != "ReduceMean":
             continue
         r = ranks.get(n.input[0], -1)
         if r < 3 or not spatial_mean(g, n, r):
             continue
-        g.nodes[k] = g.make_node("GlobalAveragePool", [n.input[0]], list(n.output), hint="GlobalAveragePool", like=n)
+        k = g.nodes.index(n)
+        if attr(n, "keepdims", 1):
+            g.nodes[k] = g.make_node("GlobalAveragePool", [n.input[0]], list(n.output), hint="GlobalAveragePool",
+                                     like=n)
+        else:
+            pooled = g.fresh(f"{n.output[0]}_pooled")
+            users = g.consumers().get(n.output[0], [])
+            g.nodes[k] = g.make_node("GlobalAveragePool", [n.input[0]], [pooled], hint="GlobalAveragePool", like=n)
+            q = users[0] if len(users) == 1 and n.output[0] not in g.graph_outputs else None
+            if q is not None and q.op_type == "QuantizeLinear":  # quantize the pooled map, flatten the integers
+                q.input[0] = pooled
+                flat_in, q.output[0] = q.output[0], g.fresh(f"{q.output[0]}_pooled")
+                g.nodes.insert(g.nodes.index(q) + 1, g.make_node("Flatten", [q.output[0]], [flat_in], like=n, axis=1))
+            else:
+                g.nodes.insert(k + 1, g.make_node("Flatten", [pooled], list(n.output), like=n, axis=1))
         done += 1
     return done
 

@@ -1,0 +1,61 @@
+"""One architecture, however it is written, gets the same kernels (issue 39).
+
+``bench.styles`` writes eight architectures in three or four styles each (``nn.Sequential`` blocks, functions in
+helper methods, forwards torch.fx cannot trace, a layer's weight passed to a function) that compute the same
+function. lq places its quantizers on one capture of the whole model, so every style must give the same integer
+kernels in onnxruntime's graph, and every conv/linear must run as an integer kernel unless the rules table says
+onnxruntime runs it faster in float. The reference for both is the model itself: the number of its conv/linear
+layers (the same in every style), and the other styles' files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import styles as S
+
+pytest.importorskip("onnxruntime")
+
+
+def _sample(arch: str, n: int = 32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(n, *S.ZOO[arch][0], generator=g)
+
+
+@pytest.mark.parametrize("arch", list(S.ZOO))
+def test_the_styles_compute_the_same_function(arch):
+    x = _sample(arch, 4)
+    with torch.no_grad():
+        ref = S.build(arch, "a")(x)
+        for style in S.ZOO[arch][1]:
+            torch.testing.assert_close(S.build(arch, style)(x), ref, rtol=0, atol=1e-5)
+
+
+def _layers(model: torch.nn.Module) -> set[str]:
+    return {n for n, m in model.named_modules() if isinstance(m, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Linear))}
+
+
+@pytest.mark.parametrize("arch", list(S.ZOO))
+def test_every_style_gets_the_same_integer_kernels(arch, tmp_path):
+    from lq.calibration import calibrate_model
+    from lq.convert import quantize_model
+    from lq.export import export_onnx
+
+    x = _sample(arch)
+    found = {}
+    for style in S.ZOO[arch][1]:
+        model = S.build(arch, style)
+        layers = _layers(model)
+        summary = quantize_model(model, sample=x[:4])
+        assert not [n for n in summary.notes if "torch.fx" in n], summary.notes  # placed on the capture
+        calibrate_model(model, [x[:16], x[16:]], method="max")
+        res = export_onnx(model, x[:8], str(tmp_path / f"{style}.onnx"), fallback_seconds=0, speed_check=False)
+        assert res.verified, res.verdict
+        compute = [k for k in res.layer_kernels if k.layer in layers]
+        bad = [k.text() for k in compute if not k.integer and not k.by_choice]
+        assert not bad, f"{arch} style {style}: conv/linear layers float for want of a quantizer: {bad}"
+        integer = sum(k.integer for k in compute)
+        by_choice = sum(k.by_choice for k in compute)
+        assert {k.layer for k in compute} == layers, (arch, style, layers - {k.layer for k in compute})
+        found[style] = (integer, by_choice, sum(res.int8_kernels.values()))
+    assert len(set(found.values())) == 1, f"{arch}: the styles differ (integer, float by choice, int8 kernels): {found}"
