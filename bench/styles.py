@@ -24,13 +24,14 @@ and copied into every style).
 from __future__ import annotations
 
 import argparse
-import copy
+import os
+import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -805,3 +806,155 @@ def build(arch: str, style: str, seed: int = 0) -> nn.Module:
     if style == "a":
         return ref.eval()
     return same_weights(ref, ZOO[arch][1][style]()).eval()
+
+
+# ====================================================================================== the bench
+def _inputs(arch: str, x28: torch.Tensor) -> torch.Tensor:
+    """Real MNIST digits shaped for the architecture: 3x32x32 (zero-padded, replicated), 3x24x24 (resized) or a
+    1,024-sample signal (the 784 pixels row after row, zero-padded, normalized per signal)."""
+    shape = ZOO[arch][0]
+    if len(shape) == 1:
+        s = F.pad(x28.reshape(len(x28), 784), (0, 1024 - 784))
+        return (s - s.mean(-1, keepdim=True)) / (s.std(-1, keepdim=True) + 1e-6)
+    img = F.pad(x28, (2, 2, 2, 2)) if shape[-1] == 32 else F.interpolate(
+        x28.unsqueeze(1), size=shape[1:], mode="bilinear", align_corners=False)[:, 0]
+    return ((img.unsqueeze(1) - 0.5) / 0.5).expand(-1, 3, -1, -1).contiguous()
+
+
+def _target(arch: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The class, or for the U-Net the ink mask of the digit (pixels brighter than mid-grey) as class 1."""
+    return (x[:, 0] > 0).long() if arch == "unet" else y
+
+
+def _quality(arch: str, out: torch.Tensor, t: torch.Tensor) -> float:
+    """Accuracy, or the IoU of the predicted ink mask for the U-Net."""
+    if arch == "unet":
+        p, m = out.argmax(1) == 1, t == 1
+        return float((p & m).sum() / (p | m).sum().clamp(min=1))
+    return float((out.argmax(1) == t).float().mean())
+
+
+def train(arch: str, model: nn.Module, x, t, epochs: int) -> nn.Module:
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    g = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(epochs):
+        for idx in torch.randperm(len(x), generator=g).split(64):
+            opt.zero_grad()
+            F.cross_entropy(model(x[idx]), t[idx]).backward()
+            opt.step()
+    return model.eval()
+
+
+def _ort_outputs(path: str, x: torch.Tensor) -> torch.Tensor:
+    from lq.export.verify._verify import make_session
+
+    sess = make_session(path, intra_op_num_threads=1)
+    name = sess.get_inputs()[0].name
+    return torch.cat([torch.from_numpy(sess.run(None, {name: c.numpy()})[0]) for c in x.split(250)])
+
+
+def run_arch(arch: str, fast: bool, d: str, log) -> dict:
+    from bench import _report
+    from bench.library import conv_gemm_counts, export_fp32, mnist5k
+    from bench.onnx_export import ort_quantize_static, ort_times
+    from lq.calibration import calibrate_model
+    from lq.convert import quantize_model
+    from lq.export import VerificationError, export_onnx
+
+    x28, y = mnist5k()
+    n_train, n_test = (512, 256) if fast else (4000, 1000)
+    x = _inputs(arch, x28[: n_train + n_test])
+    t = _target(arch, x, y[: n_train + n_test])
+    xtr, ttr, xte, tte = x[:n_train], t[:n_train], x[n_train:], t[n_train:]
+    trained = train(arch, build(arch, "a"), xtr, ttr, 1 if fast else 3)
+    with torch.no_grad():
+        row: dict = {"arch": arch, "quality": {"FP32": _quality(arch, trained(xte), tte)}, "kernels": {},
+                     "verified": {}, "cost_s": {}, "notes": []}
+    batches = list(xtr[: 64 if fast else 512].split(32))
+    paths = {"FP32": os.path.join(d, "fp32.onnx"), "FP32 legacy": os.path.join(d, "fp32_legacy.onnx")}
+    export_fp32(trained, paths["FP32"], xtr[:1], ["output"])
+    export_fp32(trained, paths["FP32 legacy"], xtr[:1], ["output"], "legacy")
+    t0 = time.perf_counter()
+    ort_quantize_static(paths["FP32 legacy"], os.path.join(d, "qs.onnx"), batches)
+    row["cost_s"]["quantize_static"] = time.perf_counter() - t0
+    paths["quantize_static"] = os.path.join(d, "qs.onnx")
+    for style in ZOO[arch][1]:
+        model = same_weights(trained, ZOO[arch][1][style]()).eval()
+        p = os.path.join(d, f"lq_{style}.onnx")
+        t0 = time.perf_counter()
+        quantize_model(model, sample=batches[0])
+        with torch.no_grad():
+            calibrate_model(model, batches)
+        try:
+            res = export_onnx(model, batches[0], p, speed_check=not fast)
+            row["verified"][style] = True
+        except VerificationError as e:
+            row["verified"][style] = str(e).splitlines()[0][:300]
+            res = export_onnx(model, batches[0], p, verify=False, speed_check=not fast)
+        row["cost_s"][style] = time.perf_counter() - t0
+        if res.float_fallback:
+            row["notes"].append(f"style {style}: sent back to float after timing: {', '.join(res.float_fallback)}")
+        paths[style] = p
+        log(f"  {arch} {style}: {row['cost_s'][style]:.1f} s, verified {row['verified'][style]}")
+    for k, p in paths.items():
+        row["kernels"][k] = conv_gemm_counts(p)["integer"]
+        row["quality"][k] = _quality(arch, _ort_outputs(p, xte), tte)
+    repeats, min_time = (3, 0.02) if fast else (9, 0.2)
+    row["speedup"] = {}
+    for b in ((1, 8) if fast else (1, 8, 32)):
+        times = ort_times(paths, np.ascontiguousarray(xte[:b].numpy()), 1, repeats, min_time)
+        best = min(("FP32", "FP32 legacy"), key=lambda k: statistics.median(times[k]))
+        row["speedup"][str(b)] = {"baseline": best, **{k: _report.ratios(times[best], v)["median"]
+                                                        for k, v in times.items()}}
+    return row
+
+
+def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: bool) -> Path:
+    from bench import _report
+
+    headers = ["architecture", "style", "integer conv/gemm (qs)", "vs faster FP32 b1/b8" + ("" if fast else "/b32"),
+               "quantize_static", "quality FP32 / lq / qs", "lq cost s (qs)", "verified"]
+    lines = []
+    for r in rows:
+        bs = list(r["speedup"])
+        for style in ZOO[r["arch"]][1]:
+            lines.append([
+                r["arch"], style, f"{r['kernels'][style]} ({r['kernels']['quantize_static']})",
+                " / ".join(f"{r['speedup'][b][style]:.2f}x" for b in bs),
+                " / ".join(f"{r['speedup'][b]['quantize_static']:.2f}x" for b in bs),
+                f"{r['quality']['FP32']:.4f} / {r['quality'][style]:.4f} / {r['quality']['quantize_static']:.4f}",
+                f"{r['cost_s'][style]:.1f} ({r['cost_s']['quantize_static']:.1f})",
+                "yes" if r["verified"][style] is True else f"no: {r['verified'][style]}"])
+    notes = [n for r in rows for n in (f"{r['arch']} {x}" for x in r["notes"])]
+    intro = ("Every architecture of `bench.styles` in each of its styles, lq's default path (`quantize_model(model, "
+             "sample=batch)`, `calibrate_model` with no method, `export_onnx` with its speed check and fallback) "
+             "against onnxruntime's `quantize_static` (QDQ, per-channel, u8s8, after `quant_pre_process`) on the same "
+             "weights and calibration batches; speed-ups over the faster of the two plain FP32 exports (legacy and "
+             "current exporter), 1 thread, files timed in turns. Quality: accuracy on held-out MNIST digits (U-Net: "
+             "IoU of the ink mask)." + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else ""))
+    return _report.finish_run(out, "styles", {"rows": rows, "fast": fast}, "Style zoo: one architecture, "
+                              "every way of writing it", intro, _report.table(headers, lines), cmd, seconds)
+
+
+def main(argv=None) -> int:
+    from bench import _report
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--fast", action="store_true", help="a smoke run: 512 training images, 1 epoch, batch 1 and 8")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--arch", nargs="*", default=list(ZOO), choices=list(ZOO))
+    args = ap.parse_args(argv)
+    out, cmd, t0 = _report.start_run(args)
+    rows = []
+    for arch in args.arch:
+        _report.log(f"{arch} ...")
+        with tempfile.TemporaryDirectory() as d:
+            rows.append(run_arch(arch, args.fast, d, _report.log))
+    write_markdown(rows, out, cmd, time.perf_counter() - t0, args.fast)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

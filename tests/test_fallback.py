@@ -42,7 +42,9 @@ class Blocks(nn.Module):
     def forward(self, x):
         y = self.b1(self.stem(x))
         y = y + self.b2(y)
-        return self.head(self.b3(y).mean((2, 3)))
+        # two one-axis means, not a global average pool: b3's conv runs in float between Q/DQ (a float ReLU and
+        # ReduceMean read it), the layer the fallback tries first
+        return self.head(self.b3(y).mean(-1).mean(-1))
 
 
 def _quantized(x):

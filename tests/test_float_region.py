@@ -178,7 +178,8 @@ def test_the_region_reaches_through_group_norm_and_ends_at_the_residual_add():
     m = GroupNormStem()
     quantize_model(m)
     assert not _input_enabled(m.stem[0]) and not _input_enabled(m.dw)  # float: GroupNorm keeps the region
-    assert _input_enabled(m.pw) and all(q.is_enabled for q in m.lq_glue.values())
+    assert _input_enabled(m.pw) and all(q.is_enabled for k, q in m.lq_glue.items() if k.startswith("add"))
+    assert not m.lq_glue.act_0.is_enabled  # F.silu in the region stays float, as nn.SiLU does there
     assert _input_enabled(m.dw2)  # reads the add's integers
 
 

@@ -265,6 +265,11 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
     did not run has no glue); without it each forward is traced with torch.fx."""
     plans, already = [], []
     outputs: dict[int, OutputSite] = {}
+    float_only = None
+    if captured is not None:
+        from lq.glue._float_only import FloatOnly
+
+        float_only = FloatOnly(model, {k: g for k, g in captured.graphs.items() if k not in captured.varying})
 
     def wants(layer):
         return _outputs.wants_output_quantizer(layer, will_be_quantized) and id(layer) not in outputs
@@ -297,7 +302,7 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
         found = _outputs.sites_in_graph(m, name, graph, wants, will_be_quantized, relu_norm=RELU_NORM in optional,
                                         sloped=SLOPED in optional, act="act" in optional)
         outputs.update((id(o.layer), o) for o in found if o.node is None)
-        sites = find_sites(graph, _tie(m, graph, will_be_quantized), m, optional)
+        sites = find_sites(graph, _tie(m, graph, will_be_quantized), m, optional, float_only)
         sites += [Site(o.node, OUTPUT, [], f"output_{k}") for k, o in enumerate(o for o in found if o.node is not None)]
         layer_calls = _layer_calls(m, graph, will_be_quantized) if captured is not None else {}
         if sites or layer_calls:

@@ -111,13 +111,14 @@ def _float_only(node: fx.Node, parent, float_adds: set) -> bool:
     return bool(node.users) and all(float_reader(u) for u in node.users)
 
 
-def find_sites(graph: fx.Graph, tie=None, parent=None, optional: frozenset = frozenset()) -> list[Site]:
+def find_sites(graph: fx.Graph, tie=None, parent=None, optional: frozenset = frozenset(), float_only=None) -> list[Site]:
     """Every glue op of ``graph`` whose operands are all activation tensors, in graph order, except adds whose
     result only float ops read (:data:`lq.glue._rules.FLOAT_ONLY_REDUCERS_METHODS`).
 
     ``tie(node)``: the path of the input quantizer of a layer that also reads ``node``, or None; an ``add``
     operand with one is quantized by it (:data:`lq.glue._rules.TIED_LAYERS`). ``parent``: the traced module
-    (to tell what its children are)."""
+    (to tell what its children are). ``float_only``: a :class:`lq.glue._float_only.FloatOnly` of the captured model,
+    which follows a result out of this forward (else a result that leaves it counts as read by an integer op)."""
     act = activations(graph)
     counts: dict[str, int] = {}
     sites = []
@@ -147,7 +148,8 @@ def find_sites(graph: fx.Graph, tie=None, parent=None, optional: frozenset = fro
         sites.append(site)
     float_adds: set = set()
     for site in reversed(sites):  # readers come later in the graph: decide them first
-        if site.rule.kind in JOIN_KINDS and _float_only(site.node, parent, float_adds):
+        if site.rule.kind in JOIN_KINDS and (float_only.value(parent, site.node) if float_only is not None
+                                             else _float_only(site.node, parent, float_adds)):
             float_adds.add(site.node)
     sites = [s for s in sites if s.node not in float_adds]
     counts.clear()
