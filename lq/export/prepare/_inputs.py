@@ -52,6 +52,32 @@ def grown(args: tuple, dims: list[dict[int, str]]) -> tuple:
     return tuple(out)
 
 
+def perturbed(args: tuple, seed: int, dims: list[dict[int, str]] | None = None) -> tuple:
+    """New rows from the sample, to judge a classifier's top-1 class on more rows than the sample has
+    (:mod:`lq.export.verify._judge`): each row of a float input with a batch axis (axis 0 named "batch" in ``dims``)
+    mixed with another row of the sample (weights 0.2-0.8), then moved by rounding-level noise (uniform within half
+    a step of an 8-bit grid over the tensor's range). Mixed rows are new points of the input domain, so a file that
+    disagrees with PyTorch near one sample row is not counted again on copies of it. Integer inputs (token ids,
+    masks) are kept."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    batched = [bool(d.get(0) == "batch") for d in dims] if dims is not None else [False] * len(tensors)
+    n = next((t.shape[0] for t, b in zip(tensors, batched) if b and t.dim()), 0)
+    perm = torch.randperm(n, generator=g) if n > 1 else None
+    out, i = [], 0
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.is_floating_point() and a.numel():
+                if perm is not None and batched[i] and a.shape[0] == n:
+                    lam = (0.2 + 0.6 * torch.rand(n, generator=g, dtype=a.dtype)).reshape(-1, *([1] * (a.dim() - 1)))
+                    a = lam * a + (1 - lam) * a[perm]
+                step = float(a.abs().max()) / 127
+                a = a + (torch.rand(a.shape, generator=g, dtype=a.dtype) - 0.5) * step
+            i += 1
+        out.append(a)
+    return tuple(out)
+
+
 def extra_dims(dynamic_dims, tensors: list) -> list[dict[int, str]]:
     """``dynamic_dims`` as ``{axis: name}`` per tensor input: a sequence of axes applies to every input that has
     them (named ``dim<axis>``), a sequence of one mapping per input is taken as given."""
