@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -30,6 +28,10 @@ class JobResult:
     accuracy: dict = field(default_factory=dict)  # stage -> accuracy in [0, 1]
     size_bytes: dict = field(default_factory=dict)  # file -> bytes
     latency_ms: dict = field(default_factory=dict)  # (model, batch) -> median ms
+    #: batch -> INT8 speed over FP32: the export's speed check (lq.export.timing) run at that batch, whose medians
+    #: are the latencies above
+    speedup: dict = field(default_factory=dict)
+    fp32_reference: Optional[str] = None  # which plain FP32 export the INT8 file was timed against
     onnx_max_abs_diff: Optional[float] = None
     files: dict = field(default_factory=dict)
     layers: list = field(default_factory=list)  # the per-layer quantizer table (lq.report.quantizer_rows)
@@ -51,8 +53,10 @@ class JobResult:
             out.append((f"size: {k}", f"{v / 1024:.1f} KiB"))
         for (model, batch), ms in self.latency_ms.items():
             out.append((f"latency: {model}, batch {batch}", f"{ms:.3f} ms"))
-        if ("fp32", 32) in self.latency_ms and ("int8", 32) in self.latency_ms:
-            out.append(("speedup INT8 vs FP32, batch 32", f"{self.latency_ms[('fp32', 32)] / self.latency_ms[('int8', 32)]:.2f}x"))
+        for batch, ratio in self.speedup.items():
+            out.append((f"speedup INT8 vs FP32, batch {batch}", f"{ratio:.2f}x"))
+        if self.fp32_reference:
+            out.append(("FP32 file timed against", self.fp32_reference))
         if self.onnx_max_abs_diff is not None:
             out.append(("onnxruntime vs PyTorch max |diff| (sample batch)", f"{self.onnx_max_abs_diff:.3g}"))
         return out
@@ -174,28 +178,6 @@ def ort_accuracy(path: str, x: torch.Tensor, y: torch.Tensor, batch: int = 256) 
         preds.append(sess.run(None, {name: x[i : i + batch].numpy()})[0].argmax(1))
     pred = np.concatenate(preds)
     return float((pred == y.numpy()).mean()), pred
-
-
-def ort_latency_ms(path: str, sample: np.ndarray, repeats: int = 30, warmup: int = 5) -> float:
-    """Median wall time of one onnxruntime run."""
-    sess = ort_session(path)
-    name = sess.get_inputs()[0].name
-    for _ in range(warmup):
-        sess.run(None, {name: sample})
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        sess.run(None, {name: sample})
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
-def export_fp32(model: torch.nn.Module, sample: torch.Tensor, path: str) -> str:
-    """The floating point ONNX baseline (BatchNorm folded by onnxruntime at load time)."""
-    m = copy.deepcopy(model).eval().cpu()
-    torch.onnx.export(m, (sample.cpu(),), path, input_names=["input"], output_names=["output"],
-                      dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}}, dynamo=False, opset_version=17)
-    return path
 
 
 def run_job(cfg: JobConfig, *, print_table: bool = True) -> JobResult:
@@ -337,20 +319,57 @@ def _onnxruntime(res: JobResult, model, dm, trainer, int8_path: str, out: Path) 
     else:  # no held-out data: a training batch is still a sample to time and export with
         x, y = _inputs_targets([next(iter(dm.train_dataloader()))])[0], None
     fp32_path = str(out / "model_fp32.onnx")
-    export_fp32(model, x[:2], fp32_path)
     res.files = {"int8": int8_path, "fp32": fp32_path}
     if os.path.exists(int8_path):
         if y is not None:
             res.accuracy["onnx_int8"], _ = ort_accuracy(int8_path, x, y)
         res.size_bytes["model_int8.onnx"] = os.path.getsize(int8_path)
+    feeds = {b: [_batch(x, b).numpy()] for b in (1, 32)}
+    fp32, res.fp32_reference = faster_fp32(model, x[:2], feeds[32])
+    Path(fp32_path).write_bytes(fp32)
     res.size_bytes["model_fp32.onnx"] = os.path.getsize(fp32_path)
-    for batch in (1, 32):
-        sample = x[:batch].numpy()
-        if len(sample) < batch:
-            sample = np.concatenate([sample] * (batch // max(1, len(sample)) + 1))[:batch]
-        res.latency_ms[("fp32", batch)] = ort_latency_ms(fp32_path, sample)
-        if os.path.exists(int8_path):
-            res.latency_ms[("int8", batch)] = ort_latency_ms(int8_path, sample)
+    if not os.path.exists(int8_path):
+        return
+    from lq.export.timing import _timing
+
+    int8 = Path(int8_path).read_bytes()
+    for batch, f in feeds.items():  # the export's own measurement (interleaved rounds), at batch 1 and 32
+        check = _timing.compare(int8, fp32, f, batch=batch, reference=res.fp32_reference)
+        res.latency_ms[("fp32", batch)], res.latency_ms[("int8", batch)] = check.fp32_ms, check.int8_ms
+        res.speedup[batch] = check.ratio
+
+
+def _batch(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """``batch`` rows of ``x`` (repeated where it has fewer)."""
+    if len(x) < batch:
+        x = torch.cat([x] * (batch // max(1, len(x)) + 1))
+    return x[:batch]
+
+
+def faster_fp32(model: torch.nn.Module, sample: torch.Tensor, feeds) -> tuple[bytes, str]:
+    """The user's FP32 file: ``torch.onnx.export`` of the float model with the current and the legacy exporter, the
+    faster one on ``feeds`` (what the export's speed check compares with: lq.export.timing._speed.faster_plain)."""
+    import io
+    import warnings
+
+    from lq.export.timing import _speed
+
+    m = copy.deepcopy(model).eval().cpu()
+    files = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            files["current"] = torch.onnx.export(
+                m, (sample.cpu(),), dynamo=True, input_names=["input"], output_names=["output"],
+                dynamic_shapes=({0: torch.export.Dim("batch", min=1)},), verbose=False).model_proto.SerializeToString()
+        except Exception:  # noqa: BLE001 - the legacy file alone is then the reference
+            pass
+        buf = io.BytesIO()
+        torch.onnx.export(m, (sample.cpu(),), buf, input_names=["input"], output_names=["output"],
+                          dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}}, dynamo=False, opset_version=17)
+        files["legacy"] = buf.getvalue()
+    _, data, reference = _speed.faster_plain(files, feeds, None)
+    return data, reference
 
 
 def write_results(res: JobResult, out: Path) -> None:

@@ -138,7 +138,7 @@ def test_nothing_trained_is_lost_when_onnxruntime_fails_after_training(tmp_path,
     def broken(*a, **k):
         raise RuntimeError("onnxruntime is unhappy")
 
-    monkeypatch.setattr(lq.pipeline, "export_fp32", broken)
+    monkeypatch.setattr(lq.pipeline, "faster_fp32", broken)
     with pytest.raises(RuntimeError, match="unhappy"):
         run_job(_job(tmp_path, TrainVal, fp32_epochs=1), print_table=False)
     for f in ("fp32.ckpt", "qat.ckpt", "model_int8.onnx"):

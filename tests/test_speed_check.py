@@ -189,8 +189,17 @@ def test_the_reference_is_the_plain_fp32_export_of_the_float_model(tmp_path, mon
     ref = onnx.load_from_string(seen["fp32"])
     ops = _ops(ref)
     assert not QDQ & set(ops) and all(n.domain in ("", "ai.onnx") for n in ref.graph.node), ops
-    user = torch.onnx.export(float_model, (x,), dynamo=True, input_names=["input"], output_names=["output"],
-                             dynamic_shapes=({0: torch.export.Dim("batch", min=1)},)).model_proto
+    c = res.speed_check
+    dynamo = "current exporter's file" in c.reference  # the faster of the user's two plain exports
+    assert dynamo or "legacy exporter's file" in c.reference, c.reference
+    if dynamo:
+        user = torch.onnx.export(float_model, (x,), dynamo=True, input_names=["input"], output_names=["output"],
+                                 dynamic_shapes=({0: torch.export.Dim("batch", min=1)},)).model_proto
+    else:
+        buf = io.BytesIO()
+        torch.onnx.export(float_model, (x,), buf, dynamo=False, input_names=["input"], output_names=["output"],
+                          dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})
+        user = onnx.load_from_string(buf.getvalue())
     assert ops == _ops(user), (ops, _ops(user))
     assert "BatchNormalization" not in _ops(_verify.optimized_model(seen["fp32"]))  # folded (or never there)
     # the float model's numbers, at the speed batch: both files ran on 9 rows
@@ -200,9 +209,41 @@ def test_the_reference_is_the_plain_fp32_export_of_the_float_model(tmp_path, mon
     with torch.no_grad():
         want = float_model(torch.from_numpy(feed)).numpy()
     np.testing.assert_allclose(sess.run(None, {"input": feed})[0], want, rtol=1e-4, atol=1e-5)
-    c = res.speed_check
-    assert c.reference == _timing.PLAIN and c.batch == 9 and c.rounds >= 3
+    assert c.reference.startswith(_timing.PLAIN) and c.batch == 9 and c.rounds >= 3
     assert res.speedup == c.ratio == pytest.approx(c.fp32_ms / c.int8_ms)  # no speed asserted
+
+
+def test_the_reference_is_the_faster_of_the_two_exporters_files(tmp_path, monkeypatch):
+    """Both plain exports are made and timed against each other; the faster one is the reference, and the check
+    names it. Timing replaced: the legacy file is made 2x faster, then 2x slower."""
+    from lq.export.timing import _speed
+
+    x = torch.randn(4, 3, 16, 16)
+    model = _calibrated(ConvBN(), x)
+    real = _speed._fp32_reference.plain_export
+    for legacy_faster in (True, False):
+        made = []
+
+        def plain(*a, **kw):
+            proto = real(*a, **kw)
+            made.append((a[2], proto.SerializeToString()))  # (dynamo, the file)
+            return proto
+
+        def rounds(a, b, feeds, providers=None, **kw):
+            fast, slow = [0.001] * 5, [0.002] * 5
+            if a == made[0][1] and b == made[1][1]:  # the two FP32 files against each other
+                return (slow, fast, 1) if legacy_faster else (fast, slow, 1)
+            return [0.001] * 5, [0.001] * 5, 1
+
+        monkeypatch.setattr(_speed._fp32_reference, "plain_export", plain)
+        monkeypatch.setattr(_timing, "time_rounds", rounds)
+        seen = _spy_compare(monkeypatch)
+        res = export_onnx(model, x, tmp_path / "m.onnx", fallback_seconds=0)
+        assert [d for d, _ in made] == [True, False]  # the model's own exporter first, then the other one
+        assert seen["fp32"] == (made[1][1] if legacy_faster else made[0][1])
+        assert ("legacy exporter's file" if legacy_faster else "current exporter's file") in res.speed_check.reference
+        assert "by 2.00x" in res.speed_check.reference
+        monkeypatch.undo()
 
 
 def test_an_lstm_is_compared_with_the_fused_lstm_op_a_plain_export_has(tmp_path, monkeypatch):
@@ -214,7 +255,7 @@ def test_an_lstm_is_compared_with_the_fused_lstm_op_a_plain_export_has(tmp_path,
     res = export_onnx(model, x, tmp_path / "lstm.onnx", dynamic_dims=(1,), fallback_seconds=0)
     ops = _ops(onnx.load_from_string(seen["fp32"]))
     assert ops["LSTM"] == 1 and "Scan" not in ops and not QDQ & set(ops), ops
-    assert res.speed_check.reference == _timing.PLAIN
+    assert res.speed_check.reference.startswith(_timing.PLAIN)
     float_model = _fp32_reference.float_model(model)
     assert type(float_model.rnn) is nn.LSTM and type(float_model.fc) is nn.Linear
     assert type(model.rnn) is not nn.LSTM  # the user's model is untouched

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Callable, Optional
 
 import lightning as L
@@ -87,7 +88,7 @@ class QuantExport(L.Callback):
         trainer.strategy.barrier("lq_export")
 
     def run(self, trainer: L.Trainer, pl_module: L.LightningModule, ckpt: Optional[str] = None):
-        from lq.export import export_onnx
+        from lq.export import SlowerThanFP32Warning, export_onnx
 
         path = self.resolve_path(trainer)
         e = self.export
@@ -95,7 +96,9 @@ class QuantExport(L.Callback):
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             sample = self._sample(trainer, pl_module)
             sample = sample.to(pl_module.device) if isinstance(sample, torch.Tensor) else sample
-            result = export_onnx(pl_module, sample, path, config=e)
+            with warnings.catch_warnings():  # a slower file is said once, below, as a Lightning warning
+                warnings.simplefilter("ignore", SlowerThanFP32Warning)
+                result = export_onnx(pl_module, sample, path, config=e)
         except Exception as err:
             where = f" The trained weights are safe in {ckpt}." if ckpt else ""
             raise ExportFailed(f"ONNX export to {path} failed: {str(err).rstrip('. ')}.{where}") from err

@@ -19,6 +19,7 @@ import dataclasses
 import os
 import tempfile
 import time
+import warnings
 
 import onnx
 
@@ -87,7 +88,8 @@ def export_onnx(model, sample_input, path=None, config: ExportConfig | None = No
     differs beyond a rounding tie on more than 1% of the rows. With ``tolerance``/``rtol`` the verdict is
     ``max|ort - torch| <= tolerance + rtol * max|torch|`` instead. The speed check (onnxruntime, verified,
     ``check_fusion`` and ``speed_check``) times the file against the plain FP32 export of the same model at
-    ``speed_batch``. Where the file is slower (not in noisy rounds), copies with groups of layers back in float
+    ``speed_batch`` (the faster of the current and the legacy exporter's files). Where the file is slower (in at
+    least three rounds of four), copies with groups of layers back in float
     are exported, verified against themselves and timed, for up to ``fallback_seconds``; the fastest one that
     timing says beats the first is saved instead, and ``ExportResult.fallback`` names its float layers
     (:mod:`lq.export.timing._fallback`). A ``QuantLSTM`` is exported as one ONNX ``Scan`` per layer and direction.
@@ -130,11 +132,11 @@ def export_onnx(model, sample_input, path=None, config: ExportConfig | None = No
     speed = _speed.speed_check(data, timer, timing_notes)
     notes += timing_notes
     fallback = None
-    if speed is not None and speed.slower and not speed.noisy and cfg.fallback_seconds > 0:
+    if speed is not None and speed.clearly_slower and cfg.fallback_seconds > 0:
         fallback, kept = _fall_back(prep, cfg, providers, timer, speed, kernels, time.perf_counter() - t0)
         if kept is not None:
             kept.warnings[:0] = timing_notes
-            return kept
+            return _warn_if_slower(kept)
     if speed is not None and speed.slower:
         notes.append(_speed.slower_note(speed, proto, kernels))
     if fallback is not None:
@@ -142,6 +144,20 @@ def export_onnx(model, sample_input, path=None, config: ExportConfig | None = No
     res = _report.result(proto, cfg, opset, prep, rewrite, verified, providers, ort_ops, kernels, speed, notes,
                          export_seconds)
     res.fallback = fallback
+    return _warn_if_slower(res)
+
+
+class SlowerThanFP32Warning(UserWarning):
+    """The saved INT8 file runs slower than the plain FP32 export of the same model (``ExportResult.speed_check``)."""
+
+
+def _warn_if_slower(res: ExportResult) -> ExportResult:
+    """A Python warning, not only ``result.warnings``, when the file the export saved is slower than FP32."""
+    check = res.speed_check
+    if check is not None and check.slower:
+        warnings.warn(SlowerThanFP32Warning(
+            f"lq.export_onnx: {res.path} runs at {check.ratio:.2f}x the speed of {check.reference} "
+            f"({check.details()}); result.warnings and result.kernel_of(layer) say why"), stacklevel=3)
     return res
 
 

@@ -66,6 +66,13 @@ class SpeedCheck:
         """The INT8 file is slower than the FP32 one (by the medians)."""
         return self.ratio < 1.0
 
+    @property
+    def clearly_slower(self) -> bool:
+        """Slower by the medians and in at least three rounds of four (the per-round ratios' upper quartile below
+        1.0): what starts the fallback. Rounds of 0.50-0.63x are slower however noisy their spread is; rounds on
+        both sides of 1.0 are not."""
+        return self.ratio < 1.0 and self.ratio_p75 < 1.0
+
     def details(self) -> str:
         """The numbers behind the ratio: ``INT8 2.30 ms vs FP32 2.00 ms at batch 8, 1 thread; ...``."""
         at = f" at batch {self.batch}" if self.batch is not None else ""
