@@ -320,14 +320,15 @@ def calibrate_model(
             ``model(**batch)``, ``(inputs, target)`` is ``model(inputs)``, a tuple of a multi-input
             ``forward``'s inputs is ``model(*batch)``; see :func:`model_inputs`).
         only_uncalibrated: leave quantizers that already hold amax alone.
-        strict: raise when a quantizer saw no data (else warn and keep it dynamic).
+        strict: raise when no quantizer saw data (quantizers that saw none while others did are turned off, their
+            layers float, with a warning naming them); ``False``: warn and keep those without data dynamic.
 
     Returns:
         :class:`CalibrationResult`: ``{name: amax}``, with ``.auto`` (the ``auto`` choice per role and what it
         gained against ``max``).
 
     Raises:
-        CalibrationError: the batches were empty, or quantizers saw no data (named).
+        CalibrationError: the batches were empty, or no quantizer saw data (named).
         TypeError: a tuple batch that does not fit the model's ``forward`` (see :func:`model_inputs`).
     """
     quantizers = select_quantizers(model, include_calibrated=not only_uncalibrated)
@@ -347,6 +348,7 @@ def calibrate_model(
             "(or calib.dataloader='train'/'val' pointing at one that has data)"
         )
     sync(quantizers, process_group)
+    quantizers = without_unused_layers(quantizers, strict)
     amax = load_amax(quantizers, methods, percentile=percentile, strict=strict)
     result = CalibrationResult(amax)
     if auto:
@@ -355,6 +357,25 @@ def calibrate_model(
         result.auto = auto_calib.choose(model, quantizers, methods, selection, forward, process_group, check=check)
         result.update({name: q.amax for name, q in quantizers if name in amax})
     return result
+
+
+def without_unused_layers(quantizers, strict: bool):
+    """A layer whose forward never ran in calibration is no error by itself (a swapped Linear whose weight a
+    function uses instead, a branch the data never takes): where other quantizers saw data, those that saw none
+    are turned off (their layers run in float) and named in one warning. Where none saw data, calibration itself
+    did not reach the model: :func:`load_amax` raises, naming them."""
+    empty = [(name, q) for name, q in quantizers if not q.calibrator.has_data]
+    if not empty or len(empty) == len(quantizers) or not strict:
+        return quantizers
+    import warnings
+
+    for _, q in empty:
+        q.disable()
+    warnings.warn(f"lq calibration: {len(empty)} quantizer(s) saw no data (their layers never ran in the calibration "
+                  f"forward), so they are turned off and those layers run in float: {', '.join(n for n, _ in empty)}. "
+                  "If they should run, check calibration_step/forward", stacklevel=3)
+    done = {id(q) for _, q in empty}
+    return [(n, q) for n, q in quantizers if id(q) not in done]
 
 
 class CalibrationResult(dict):

@@ -578,6 +578,12 @@ def quantize_model(
         graphs: dict = {}
         will_be_quantized = lambda m: isinstance(m, QuantMixin) or id(m) in targets  # noqa: E731
         captured, capture_notes = _captured(model, sample)
+        if captured is not None:
+            idle = [t.name for t in targets.values() if not captured.ran(t.module)]
+            if idle:
+                capture_notes.append(f"{', '.join(idle[:6])}{' ...' if len(idle) > 6 else ''} never ran on the sample "
+                                     "(a layer whose weight a function outside it uses, or an unused branch): quantized, "
+                                     "and calibration turns off the quantizers of layers that see no data")
         glue_plans, glue_outputs, glue_already, glue_notes = _glue.plan(
             model, selected=lambda n: _matches(n, include) and not _matches(n, exclude),
             skip=will_be_quantized, will_be_quantized=will_be_quantized, graphs=graphs,
@@ -593,7 +599,8 @@ def quantize_model(
             region_names += [o.path for o in glue_outputs if region.writes_float(o.layer)]
             glue_outputs = [o for o in glue_outputs if not region.writes_float(o.layer)]
         if glue and activations:  # a max pool and its reader, and readers of one tensor, on one grid
-            pool_pairs = _pool_grid.pool_readers(model, graphs, will_be_quantized)
+            pool_pairs = _pool_grid.whole_pool_readers(_glue.whole_graph(model, captured), will_be_quantized) \
+                if captured is not None else _pool_grid.pool_readers(model, graphs, will_be_quantized)
             sibling_pairs = _sibling_ties.sibling_readers(model, graphs, will_be_quantized)
         if not glue:
             glue_plans, glue_outputs, glue_already, glue_notes = [], [], [], []

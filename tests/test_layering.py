@@ -13,7 +13,7 @@ from pathlib import Path
 LQ = Path(__file__).resolve().parents[1] / "lq"
 #: the layers below the exporter: quantization numerics, calibrators, modules, the glue that places quantizers
 #: in the model, and the per-runtime rules both the glue and the exporter read
-BELOW_EXPORT = ["nn", "calib", "glue", "rules", "tensor_quant.py", "_ops.py", "_reference.py", "_ext.py",
+BELOW_EXPORT = ["nn", "calib", "capture", "glue", "rules", "tensor_quant.py", "_ops.py", "_reference.py", "_ext.py",
                 "quant_modules.py"]
 
 
@@ -121,3 +121,13 @@ def test_export_stages_import_only_earlier_stages():
                     if any(m == f"lq.export.{s}" or m.startswith(f"lq.export.{s}.") for s in later)]
     assert not bad, bad
     assert sorted(d.name for d in (LQ / "export").iterdir() if d.is_dir() and d.name != "__pycache__") == sorted(STAGES)
+
+
+def test_the_capture_knows_nothing_of_quantization():
+    """The capture records what a model runs; the glue places quantizers on it (lq.glue imports lq.capture, never
+    the reverse): the capture imports nothing of lq."""
+    files = list((LQ / "capture").rglob("*.py"))
+    assert files
+    bad = [f"{p.relative_to(LQ.parent)}: {m}" for p in files for m in _imports(p)
+           if (m == "lq" or m.startswith("lq.")) and not m.startswith("lq.capture")]
+    assert not bad, bad

@@ -178,6 +178,7 @@ class QuantCalibrate(L.Callback):
         if calibration.global_count(st["seen"]) == 0:
             raise calibration.CalibrationError("the validation dataloader produced no batches to calibrate on")
         calibration.sync(st["quantizers"])
+        st["quantizers"] = calibration.without_unused_layers(st["quantizers"], strict=True)
         # validate() runs under inference_mode: amax made there could never be saved for backward
         # later (QAT, a learned amax), so it is computed as ordinary tensors.
         with torch.inference_mode(False), torch.no_grad():

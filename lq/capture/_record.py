@@ -56,7 +56,8 @@ class Capture:
     notes: list[str]
 
     def ran(self, module: nn.Module) -> bool:
-        return self.calls.get(id(module), 0) > 0
+        """``module`` was called, or a function computed its forward on its weight."""
+        return self.calls.get(id(module), 0) > 0 or self.names.get(id(module)) in {p for _, p in self.functional_layers}
 
 
 class _Frame:

@@ -230,6 +230,14 @@ def unsigned_inputs(model: nn.Module, graphs: dict, plans: list[GluePlan], will_
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
+def whole_graph(model: nn.Module, captured):
+    """The captured forwards joined across module boundaries (:class:`lq.glue._whole.WholeGraph`); a module whose
+    calls ran different ops is left out (nothing is known of where its values go)."""
+    from lq.glue._whole import WholeGraph
+
+    return WholeGraph(model, {k: g for k, g in captured.graphs.items() if k not in captured.varying})
+
+
 def _anchor(model: nn.Module, name: str) -> tuple[str, nn.Module]:
     """The nearest ancestor of the module ``name`` that is not a container (the model itself at the latest)."""
     parts = name.split(".")
@@ -269,7 +277,7 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
     if captured is not None:
         from lq.glue._float_only import FloatOnly
 
-        float_only = FloatOnly(model, {k: g for k, g in captured.graphs.items() if k not in captured.varying})
+        float_only = FloatOnly(whole_graph(model, captured))
 
     def wants(layer):
         return _outputs.wants_output_quantizer(layer, will_be_quantized) and id(layer) not in outputs

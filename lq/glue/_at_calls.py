@@ -160,7 +160,10 @@ def _run(call: Call, module: nn.Module, func, args, kwargs):
             seq[s.item] = quantized(seq[s.item], s.quantizer)
             holder[where] = seq
     out = func(*new_args, **new_kwargs)
-    if in_place(func) and args and out is not args[0]:  # y += x: y itself holds the (quantized) sum
+    if in_place(func) and args and out is not args[0] and not torch.jit.is_tracing():
+        # y.add_(x): y itself holds the (quantized) sum. ``y += x`` rebinds y to what is returned anyway, and the
+        # legacy exporter's trace would write the copy as an Expand the fused kernels cannot take: it is left out
+        # there (the verification would catch a model that needs it)
         args[0].copy_(out)
         return args[0]
     return out

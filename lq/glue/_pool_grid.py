@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from lq.glue._rules import INPUT_QUANTIZER, MAX_POOLS, TIED_LAYERS
+from lq.glue._rules import (INPUT_QUANTIZER, MAX_POOLS, TIE_THROUGH_FUNCTIONS, TIE_THROUGH_METHODS, TIE_THROUGH_MODULES,
+                            TIED_LAYERS)
 
 
 def pool_readers(model: nn.Module, graphs: dict, will_be_quantized) -> list[tuple[nn.Module, nn.Module]]:
@@ -47,6 +48,61 @@ def pool_readers(model: nn.Module, graphs: dict, will_be_quantized) -> list[tupl
         if path:
             out.append((pool, tied_layer(parent, path)))
     return out
+
+
+def whole_pool_readers(whole, will_be_quantized) -> list[tuple[nn.Module, nn.Module]]:
+    """``(max pool, quantized layer reading its output)`` on the captured model (:class:`lq.glue._whole.WholeGraph`):
+    the output followed out of the forward that calls the pool and into the forwards it is passed to, through
+    grid-preserving ops, to the first quantized conv/linear that reads it as its input. torchvision's ResNet pools
+    in the model's forward and the pool's reader is ``layer1.0.conv1``, inside a block inside an nn.Sequential:
+    the two quantizers were calibrated apart (scales 0.022175 and 0.022164) and onnxruntime ran the pool in float
+    between DQ and Q."""
+    out = []
+    for mid, graph in whole.graphs.items():
+        parent = _module(whole, mid)
+        if parent is None:
+            continue
+        for n in graph.nodes:
+            if n.op != "call_module":
+                continue
+            pool = parent.get_submodule(n.target)
+            if isinstance(pool, MAX_POOLS) and will_be_quantized(pool):
+                layer = _first_layer(whole, parent, n, will_be_quantized, set())
+                if layer is not None:
+                    out.append((pool, layer))
+    return out
+
+
+def _module(whole, mid: int):
+    for _, m in whole.root.named_modules():
+        if id(m) == mid:
+            return m
+    return None
+
+
+def _first_layer(whole, module: nn.Module, node, will_be_quantized, seen: set):
+    """The first quantized conv/linear that reads ``node`` as its input, through grid-preserving ops (max pools,
+    reshapes) and across forwards; None."""
+    if (id(module), node) in seen:
+        return None
+    seen.add((id(module), node))
+    for m, u, pos in whole.readers(module, node):
+        if u.op == "call_module" and pos == 0:
+            child = m.get_submodule(u.target)
+            if isinstance(child, TIED_LAYERS) and will_be_quantized(child):
+                return child
+            inner = whole.into(m, u, pos)
+            found = _first_layer(whole, *inner, will_be_quantized, seen) if inner is not None else None
+            if found is None and isinstance(child, TIE_THROUGH_MODULES):
+                found = _first_layer(whole, m, u, will_be_quantized, seen)
+            if found is not None:
+                return found
+        elif pos == 0 and ((u.op == "call_function" and u.target in TIE_THROUGH_FUNCTIONS)
+                           or (u.op == "call_method" and u.target in TIE_THROUGH_METHODS)):
+            found = _first_layer(whole, m, u, will_be_quantized, seen)
+            if found is not None:
+                return found
+    return None
 
 
 def share(pairs: list[tuple[nn.Module, nn.Module]], converted) -> None:

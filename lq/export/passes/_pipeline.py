@@ -72,6 +72,7 @@ GRAPH_PASSES: tuple[Pass, ...] = (
     Pass("dedupe_quantizers_before_placement", lambda g, r: _placement.dedupe_quantizers(g), ORT),
     Pass("split_shared_producers", lambda g, r: _placement.split_shared_producers(g), ORT),
     Pass("hoist_quantizers", lambda g, r: _placement.hoist_quantizers(g), ORT),
+    Pass("shapes_from_quantized", lambda g, r: _placement.shapes_from_quantized(g), ORT),
     Pass("clips_on_integers", lambda g, r: _placement.clips_on_integers(g), ORT),
     Pass("float_weights_for_float_convs", lambda g, r: _float_convs.float_weights_for_float_convs(g), ORT),
     Pass("linears_as_gemm", lambda g, r: _linear_gemm.linears_as_gemm(g), ORT),

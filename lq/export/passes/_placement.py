@@ -136,6 +136,24 @@ def hoist_quantizers(g: Graph) -> int:
     return moved
 
 
+def shapes_from_quantized(g: Graph) -> int:
+    """A Shape that reads a tensor whose other readers are QuantizeLinear of one grid reads the quantized copy
+    instead (same shape): onnxruntime fuses ``DQ -> Conv -> Q`` only when the Q alone reads the conv's output, and
+    the legacy exporter writes ``if y.shape == x.shape`` or ``x.view(x.size(0), -1)`` as a Shape on it."""
+    done = 0
+    cons = g.consumers()
+    for t, readers in cons.items():
+        shapes, others = _shape_readers_apart(readers)
+        if not shapes or not others or t in g.graph_outputs:
+            continue
+        if any(o.op_type != "QuantizeLinear" or not same_q(g, others[0], o) for o in others):
+            continue
+        for c in shapes:
+            c.input[0] = others[0].output[0]
+            done += 1
+    return done
+
+
 def _shape_readers_apart(readers) -> tuple[list, list]:
     """(the Shape nodes among ``readers``, the others). A Shape reads only the shape, which a quantizer keeps,
     so it may read the quantized copy instead (F.interpolate(x, size=...) and x.view(x.size(0), -1) read x's
