@@ -215,7 +215,7 @@ def test_an_error_inside_a_forward_leaves_no_mode_behind():
     m.fail = True
     with pytest.raises(ValueError, match="boom"):
         m(torch.randn(2, 3, 4, 4))
-    assert not _get_current_function_mode_stack() and _at_calls._depth.active == 0
+    assert not _get_current_function_mode_stack() and _at_calls._global["users"] == 0 and not _at_calls._calls.frames
     assert not torch.nn.modules.module._global_forward_pre_hooks
 
 

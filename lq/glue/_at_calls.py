@@ -4,9 +4,10 @@ Placement decided on the captured graph names its ops by ``(call key, ordinal)``
 (:mod:`lq.capture`). This module puts the decision into the user's model without changing any forward: the
 module gets a table ``{(key, ordinal): Call}`` and a forward pre-hook that enters a ``TorchFunctionMode`` for the
 length of its forward (an always-called forward hook leaves it, also when the forward raises). The mode counts
-the torch calls made directly in that forward (calls inside child modules are told apart by module hooks that
-are registered only while some such forward runs) and, at the calls in the table, quantizes their operands,
-calls a layer whose weight a function used, or writes out an attention. Calibration, QAT and both ONNX exporters
+the torch calls made directly in that forward: global module hooks, registered only while some such forward runs,
+take the mode off torch's stack while a child module runs (the ops inside children pay nothing for it) and put it
+back after. At the calls in the table it quantizes their operands, calls a layer whose weight a function used,
+or writes out an attention. Calibration, QAT and both ONNX exporters
 run the same Python, so all of them see the same quantizers; nothing is traced ahead, so a forward with Python
 control flow, helper methods or lists of tensors gets its quantizers like any other.
 
@@ -55,62 +56,115 @@ class Call:
     quantizers: tuple[str, ...] = ()
 
 
-# ---------------------------------------------------------------------------------- call depth
-class _Depth(threading.local):
+# ---------------------------------------------------------------------------------- module calls
+#: a frame's mode: on torch's mode stack, taken off by lq while a child module runs, or taken off by torch while the
+#: mode's own ``__torch_function__`` runs (modules called from there must not put it back)
+_RUNNING, _SUSPENDED, _HANDLING = 0, 1, 2
+
+
+class _Frame:
+    __slots__ = ("module_id", "mode", "state")
+
+    def __init__(self, module_id: int, mode):
+        self.module_id = module_id
+        self.mode = mode
+        self.state = _RUNNING
+
+
+class _Calls(threading.local):
     def __init__(self):
-        self.stack: list[int] = []  # ids of the modules being called, while any table is active
-        self.active = 0
-        self.handles: list = []
+        self.frames: list[_Frame] = []  # one per module call in progress while the global hooks are on
+        self.owned: list[int] = []  # the calls (module ids) whose own pre-hook turned the global hooks on
 
 
-_depth = _Depth()
+_calls = _Calls()
+_global = {"users": 0, "handles": []}
+_lock = threading.Lock()
 
 
-def _push(module, args):
-    _depth.stack.append(id(module))
+def _begin(module: nn.Module, args=None):
+    """A module call starts: the calling frame's mode steps aside (what a child runs is not that frame's), and a
+    module with a table gets its own mode for the call."""
+    frames = _calls.frames
+    if frames:
+        top = frames[-1]
+        if top.mode is not None and top.state == _RUNNING:
+            top.mode.__exit__(None, None, None)
+            top.state = _SUSPENDED
+    table = module.__dict__.get(ATTR)
+    frame = _Frame(id(module), _AtCalls(module, table) if table else None)
+    frames.append(frame)
+    if frame.mode is not None:
+        frame.mode.frame = frame
+        frame.mode.__enter__()
+    return None
 
 
-def _pop(module, args, output):
-    if _depth.stack and _depth.stack[-1] == id(module):
-        _depth.stack.pop()
+def _end(module: nn.Module, args=None, output=None):
+    """A module call ends (also by an exception): its mode leaves, the calling frame's comes back."""
+    frames = _calls.frames
+    if not frames or frames[-1].module_id != id(module):
+        return None  # a call that started before the hooks were on
+    frame = frames.pop()
+    if frame.mode is not None and frame.state == _RUNNING:
+        frame.mode.__exit__(None, None, None)
+    if frames:
+        top = frames[-1]
+        if top.mode is not None and top.state == _SUSPENDED:
+            top.mode.__enter__()
+            top.state = _RUNNING
+    return None
 
 
-def _activate() -> None:
-    if _depth.active == 0:
-        _depth.handles = [_module_hooks.register_module_forward_pre_hook(_push),
-                          _module_hooks.register_module_forward_hook(_pop, always_call=True)]
-    _depth.active += 1
+def _hooks_on() -> None:
+    with _lock:
+        if _global["users"] == 0:
+            _global["handles"] = [_module_hooks.register_module_forward_pre_hook(_begin),
+                                  _module_hooks.register_module_forward_hook(_end, always_call=True)]
+        _global["users"] += 1
 
 
-def _deactivate() -> None:
-    _depth.active -= 1
-    if _depth.active == 0:
-        for h in _depth.handles:
-            h.remove()
-        _depth.handles = []
-        _depth.stack.clear()
+def _hooks_off() -> None:
+    with _lock:
+        _global["users"] -= 1
+        if _global["users"] == 0:
+            for h in _global["handles"]:
+                h.remove()
+            _global["handles"] = []
 
 
 # ---------------------------------------------------------------------------------- the mode
 class _AtCalls(TorchFunctionMode):
+    """The torch calls made directly in one forward of a module with a table: only this frame's calls reach it
+    (its mode steps aside while a child module runs)."""
+
     def __init__(self, module: nn.Module, table: dict):
         super().__init__()
         self.module = module.__dict__.get(ANCHOR) or module  # where the table's paths start
         self.table = table
-        self.height = len(_depth.stack)
         self.counts: dict = {}
+        self.frame: _Frame | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if len(_depth.stack) != self.height:  # inside a child module's call
-            return func(*args, **kwargs)
-        key = call_key(func)
+        key = _KEYS.get(func)
+        if key is None:
+            key = _KEYS[func] = call_key(func)
         k = self.counts.get(key, 0)
         self.counts[key] = k + 1
         call = self.table.get((key, k))
         if call is None:
             return func(*args, **kwargs)
-        return _run(call, self.module, func, args, kwargs)
+        frame, was = self.frame, self.frame.state
+        frame.state = _HANDLING  # torch has taken this mode off its stack while it handles the call
+        try:
+            return _run(call, self.module, func, args, kwargs)
+        finally:
+            frame.state = was
+
+
+#: call keys by function, computed once (call_key reads attributes of torch.Tensor)
+_KEYS: dict = {}
 
 
 def _run(call: Call, module: nn.Module, func, args, kwargs):
@@ -171,25 +225,24 @@ def _run(call: Call, module: nn.Module, func, args, kwargs):
 
 # ---------------------------------------------------------------------------------- hooks
 def _enter(module: nn.Module, args):
-    table = module.__dict__.get(ATTR)
-    if not table:
-        return None
-    _activate()
-    mode = _AtCalls(module, table)
-    mode.__enter__()
-    module.__dict__.setdefault("_lq_at_calls_modes", []).append(mode)
+    """The pre-hook of a module with a table: where no outer call turned the global module hooks on, this call
+    does, and starts its own frame (the global pre-hook ran before the hooks were on)."""
+    frames = _calls.frames
+    if frames and frames[-1].module_id == id(module):
+        return None  # the global pre-hook has started this call
+    _hooks_on()
+    _calls.owned.append(id(module))
+    _begin(module)
     return None
 
 
 def _leave(module: nn.Module, args, output):
-    modes = module.__dict__.get("_lq_at_calls_modes")
-    if not modes:
-        return None
-    mode = modes.pop()
-    try:
-        mode.__exit__(None, None, None)
-    finally:
-        _deactivate()
+    """The always-called post-hook: the call that turned the global hooks on turns them off (its frame was ended
+    by the global post-hook, which runs first)."""
+    if _calls.owned and _calls.owned[-1] == id(module):
+        _calls.owned.pop()
+        _end(module)  # in case the global post-hook did not see it (removed meanwhile): ends it once
+        _hooks_off()
     return None
 
 
@@ -208,7 +261,6 @@ def uninstall(module: nn.Module) -> None:
     """Take the table and the hooks off ``module`` (found by function, so a deep copy's too)."""
     module.__dict__.pop(ATTR, None)
     module.__dict__.pop(ANCHOR, None)
-    module.__dict__.pop("_lq_at_calls_modes", None)
     for hooks, fn in ((module._forward_pre_hooks, _enter), (module._forward_hooks, _leave)):
         for k in [k for k, h in hooks.items() if h is _enter or h is _leave]:
             hooks.pop(k, None)
