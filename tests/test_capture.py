@@ -215,8 +215,10 @@ def test_an_error_inside_a_forward_leaves_no_mode_behind():
     m.fail = True
     with pytest.raises(ValueError, match="boom"):
         m(torch.randn(2, 3, 4, 4))
-    assert not _get_current_function_mode_stack() and _at_calls._global["users"] == 0 and not _at_calls._calls.frames
-    assert not torch.nn.modules.module._global_forward_pre_hooks
+    assert not _get_current_function_mode_stack() and not _at_calls._calls.frames
+    plain = nn.Conv2d(3, 4, 1)  # a model of someone else's: untouched by lq's global hooks
+    assert torch.equal(plain(torch.ones(1, 3, 2, 2)), nn.functional.conv2d(torch.ones(1, 3, 2, 2), plain.weight, plain.bias))
+    assert not _at_calls._calls.frames
 
 
 def test_a_forward_that_runs_other_ops_in_training_keeps_its_glue_float_and_says_why():
@@ -261,3 +263,19 @@ def test_both_exporters_see_the_quantizers_at_the_calls(tmp_path):
         assert res.verified
         ops = [n.op_type for n in onnx.load(res.path).graph.node]
         assert ops.count("QuantizeLinear") >= 4 and "lq.export" not in {n.domain for n in onnx.load(res.path).graph.node}
+
+
+def test_torch_compile_runs_the_quantizers_at_calls_without_graph_breaks():
+    import torch._dynamo
+
+    x = torch.randn(4, 3, 6, 6)
+    m = Joined().eval()
+    quantize_model(m, sample=x[:2])
+    calibrate_model(m, [x])
+    with torch.no_grad():
+        want = m(x)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        got = torch.compile(m)(x)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

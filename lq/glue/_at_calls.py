@@ -4,9 +4,9 @@ Placement decided on the captured graph names its ops by ``(call key, ordinal)``
 (:mod:`lq.capture`). This module puts the decision into the user's model without changing any forward: the
 module gets a table ``{(key, ordinal): Call}`` and a forward pre-hook that enters a ``TorchFunctionMode`` for the
 length of its forward (an always-called forward hook leaves it, also when the forward raises). The mode counts
-the torch calls made directly in that forward: global module hooks, registered only while some such forward runs,
-take the mode off torch's stack while a child module runs (the ops inside children pay nothing for it) and put it
-back after. At the calls in the table it quantizes their operands, calls a layer whose weight a function used,
+the torch calls made directly in that forward: a global module pre-hook and post-hook (registered once per
+process by the first such call; they look up one attribute of any other module call) take the mode off torch's
+stack while a child module runs (the ops inside children pay nothing for it) and put it back after. At the calls in the table it quantizes their operands, calls a layer whose weight a function used,
 or writes out an attention. Calibration, QAT and both ONNX exporters
 run the same Python, so all of them see the same quantizers; nothing is traced ahead, so a forward with Python
 control flow, helper methods or lists of tensors gets its quantizers like any other.
@@ -73,25 +73,27 @@ class _Frame:
 
 class _Calls(threading.local):
     def __init__(self):
-        self.frames: list[_Frame] = []  # one per module call in progress while the global hooks are on
-        self.owned: list[int] = []  # the calls (module ids) whose own pre-hook turned the global hooks on
+        self.frames: list[_Frame] = []  # one per module call in progress inside an lq forward
 
 
 _calls = _Calls()
-_global = {"users": 0, "handles": []}
-_lock = threading.Lock()
+#: the global module hooks (process-wide; the frames are per thread)
+_global = {"on": False, "handles": []}
 
 
 def _begin(module: nn.Module, args=None):
     """A module call starts: the calling frame's mode steps aside (what a child runs is not that frame's), and a
-    module with a table gets its own mode for the call."""
+    module with a table gets its own mode for the call. Outside an lq forward, a module without a table costs one
+    dictionary lookup."""
     frames = _calls.frames
+    table = module.__dict__.get(ATTR)
+    if not frames and not table:
+        return None
     if frames:
         top = frames[-1]
         if top.mode is not None and top.state == _RUNNING:
             top.mode.__exit__(None, None, None)
             top.state = _SUSPENDED
-    table = module.__dict__.get(ATTR)
     frame = _Frame(id(module), _AtCalls(module, table) if table else None)
     frames.append(frame)
     if frame.mode is not None:
@@ -104,7 +106,7 @@ def _end(module: nn.Module, args=None, output=None):
     """A module call ends (also by an exception): its mode leaves, the calling frame's comes back."""
     frames = _calls.frames
     if not frames or frames[-1].module_id != id(module):
-        return None  # a call that started before the hooks were on
+        return None  # not a call of an lq forward (or one that started before the hooks were on)
     frame = frames.pop()
     if frame.mode is not None and frame.state == _RUNNING:
         frame.mode.__exit__(None, None, None)
@@ -116,21 +118,14 @@ def _end(module: nn.Module, args=None, output=None):
     return None
 
 
-def _hooks_on() -> None:
-    with _lock:
-        if _global["users"] == 0:
-            _global["handles"] = [_module_hooks.register_module_forward_pre_hook(_begin),
-                                  _module_hooks.register_module_forward_hook(_end, always_call=True)]
-        _global["users"] += 1
-
-
-def _hooks_off() -> None:
-    with _lock:
-        _global["users"] -= 1
-        if _global["users"] == 0:
-            for h in _global["handles"]:
-                h.remove()
-            _global["handles"] = []
+def _ensure_hooks() -> None:
+    """The global module pre-hook and always-called post-hook, registered once per process by the first call of a
+    module with a table (a model unpickled in a new process registers them on its first call). They do nothing
+    for a module called outside an lq forward but look up one attribute."""
+    if not _global["on"]:
+        _global["on"] = True
+        _global["handles"] = [_module_hooks.register_module_forward_pre_hook(_begin),
+                              _module_hooks.register_module_forward_hook(_end, always_call=True)]
 
 
 # ---------------------------------------------------------------------------------- the mode
@@ -225,24 +220,18 @@ def _run(call: Call, module: nn.Module, func, args, kwargs):
 
 # ---------------------------------------------------------------------------------- hooks
 def _enter(module: nn.Module, args):
-    """The pre-hook of a module with a table: where no outer call turned the global module hooks on, this call
-    does, and starts its own frame (the global pre-hook ran before the hooks were on)."""
+    """The pre-hook of a module with a table: registers the global hooks on the first call in a process, and starts
+    the call's frame where the global pre-hook did not (it ran before it was registered)."""
+    _ensure_hooks()
     frames = _calls.frames
-    if frames and frames[-1].module_id == id(module):
-        return None  # the global pre-hook has started this call
-    _hooks_on()
-    _calls.owned.append(id(module))
-    _begin(module)
+    if not frames or frames[-1].module_id != id(module):
+        _begin(module)
     return None
 
 
 def _leave(module: nn.Module, args, output):
-    """The always-called post-hook: the call that turned the global hooks on turns them off (its frame was ended
-    by the global post-hook, which runs first)."""
-    if _calls.owned and _calls.owned[-1] == id(module):
-        _calls.owned.pop()
-        _end(module)  # in case the global post-hook did not see it (removed meanwhile): ends it once
-        _hooks_off()
+    """The always-called post-hook: ends the call's frame where the global post-hook did not."""
+    _end(module)
     return None
 
 
