@@ -280,12 +280,13 @@ class InvertedC(nn.Module):
 
 class MobileNetC(nn.Module):
     act = nn.Hardswish
+    block = InvertedC
 
     def __init__(self):
         super().__init__()
         a = self.act
         self.conv_stem, self.bn1 = nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16)
-        self.blocks = nn.ModuleList([InvertedC(*spec, a) for spec in _MB_SPEC])
+        self.blocks = nn.ModuleList([self.block(*spec, a) for spec in _MB_SPEC])
         self.conv_head, self.bn2 = nn.Conv2d(24, 64, 1, bias=False), nn.BatchNorm2d(64)
         self.act1, self.act2 = a(inplace=True), a(inplace=True)
         self.classifier = nn.Linear(64, 10)
@@ -343,15 +344,7 @@ class MBConvC(InvertedC):
 
 class EfficientNetC(MobileNetC):
     act = nn.SiLU
-
-    def __init__(self):
-        nn.Module.__init__(self)
-        a = self.act
-        self.conv_stem, self.bn1 = nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16)
-        self.blocks = nn.ModuleList([MBConvC(*spec, a) for spec in _MB_SPEC])
-        self.conv_head, self.bn2 = nn.Conv2d(24, 64, 1, bias=False), nn.BatchNorm2d(64)
-        self.act1, self.act2 = a(inplace=True), a(inplace=True)
-        self.classifier = nn.Linear(64, 10)
+    block = MBConvC
 
 
 # ====================================== DenseNet (Huang et al. 2017): concatenation, BN -> ReLU -> conv (pre-act)
@@ -794,15 +787,11 @@ ZOO: dict[str, tuple[tuple[int, ...], dict[str, type]]] = {
 def build(arch: str, style: str, seed: int = 0) -> nn.Module:
     """The architecture in one style, with the weights of style ``a`` built from ``seed`` (BatchNorm statistics
     made non-trivial), in eval mode."""
+    from bench.onnx_export import randomize_bn
+
     torch.manual_seed(seed)
     ref = ZOO[arch][1]["a"]()
-    with torch.no_grad():
-        for m in ref.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.uniform_(-0.2, 0.2)
-                m.running_var.uniform_(0.5, 1.5)
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.uniform_(-0.2, 0.2)
+    randomize_bn(ref, seed)
     if style == "a":
         return ref.eval()
     return same_weights(ref, ZOO[arch][1][style]()).eval()
