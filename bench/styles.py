@@ -843,7 +843,11 @@ def _ort_outputs(path: str, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.from_numpy(sess.run(None, {name: c.numpy()})[0]) for c in x.split(250)])
 
 
-def run_arch(arch: str, fast: bool, d: str, log) -> dict:
+#: architectures whose forward takes any image size (their files are also timed at --size)
+SIZED = ("resnet", "mobilenet", "efficientnet", "densenet", "unet")
+
+
+def run_arch(arch: str, fast: bool, d: str, log, size: int = 32) -> dict:
     from bench import _report
     from bench.library import conv_gemm_counts, export_fp32, mnist5k
     from bench.onnx_export import ort_quantize_static, ort_times
@@ -856,11 +860,14 @@ def run_arch(arch: str, fast: bool, d: str, log) -> dict:
     x = _inputs(arch, x28[: n_train + n_test])
     t = _target(arch, x, y[: n_train + n_test])
     xtr, ttr, xte, tte = x[:n_train], t[:n_train], x[n_train:], t[n_train:]
-    trained = train(arch, build(arch, "a"), xtr, ttr, 1 if fast else 3)
+    trained = train(arch, build(arch, "a"), xtr, ttr, 1 if fast else 6)
     with torch.no_grad():
-        row: dict = {"arch": arch, "quality": {"FP32": _quality(arch, trained(xte), tte)}, "kernels": {},
-                     "verified": {}, "cost_s": {}, "notes": []}
-    batches = list(xtr[: 64 if fast else 512].split(32))
+        row: dict = {"arch": arch, "size": size, "quality": {"FP32": _quality(arch, trained(xte), tte)},
+                     "kernels": {}, "placed": {}, "verified": {}, "cost_s": {}, "notes": []}
+    if size != 32:  # the weights trained at 32x32, the files made and timed at size x size (quality not measured)
+        xtr, xte = (F.interpolate(v, size=(size, size), mode="bilinear", align_corners=False) for v in (xtr, xte))
+        row["quality"] = {}
+    batches = list(xtr[: 64 if fast else (512 if size == 32 else 64)].split(32 if size == 32 else 8))
     paths = {"FP32": os.path.join(d, "fp32.onnx"), "FP32 legacy": os.path.join(d, "fp32_legacy.onnx")}
     export_fp32(trained, paths["FP32"], xtr[:1], ["output"])
     export_fp32(trained, paths["FP32 legacy"], xtr[:1], ["output"], "legacy")
@@ -882,13 +889,17 @@ def run_arch(arch: str, fast: bool, d: str, log) -> dict:
             row["verified"][style] = str(e).splitlines()[0][:300]
             res = export_onnx(model, batches[0], p, verify=False, speed_check=not fast)
         row["cost_s"][style] = time.perf_counter() - t0
+        placed = os.path.join(d, f"placed_{style}.onnx")  # the placement alone: no timing, no fallback
+        export_onnx(model, batches[0], placed, verify=False, speed_check=False, fallback_seconds=0)
+        row["placed"][style] = conv_gemm_counts(placed)["integer"]
         if res.float_fallback:
             row["notes"].append(f"style {style}: sent back to float after timing: {', '.join(res.float_fallback)}")
         paths[style] = p
         log(f"  {arch} {style}: {row['cost_s'][style]:.1f} s, verified {row['verified'][style]}")
     for k, p in paths.items():
         row["kernels"][k] = conv_gemm_counts(p)["integer"]
-        row["quality"][k] = _quality(arch, _ort_outputs(p, xte), tte)
+        if size == 32:
+            row["quality"][k] = _quality(arch, _ort_outputs(p, xte), tte)
     repeats, min_time = (3, 0.02) if fast else (9, 0.2)
     row["speedup"] = {}
     for b in ((1, 8) if fast else (1, 8, 32)):
@@ -902,26 +913,32 @@ def run_arch(arch: str, fast: bool, d: str, log) -> dict:
 def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: bool) -> Path:
     from bench import _report
 
-    headers = ["architecture", "style", "integer conv/gemm (qs)", "vs faster FP32 b1/b8" + ("" if fast else "/b32"),
-               "quantize_static", "quality FP32 / lq / qs", "lq cost s (qs)", "verified"]
+    headers = ["architecture", "input", "style", "integer conv/gemm: placed / saved (qs)",
+               "vs faster FP32 b1/b8" + ("" if fast else "/b32"), "quantize_static", "quality FP32 / lq / qs",
+               "lq cost s (qs)", "verified"]
     lines = []
     for r in rows:
         bs = list(r["speedup"])
+        q = r["quality"]
         for style in ZOO[r["arch"]][1]:
             lines.append([
-                r["arch"], style, f"{r['kernels'][style]} ({r['kernels']['quantize_static']})",
+                r["arch"], f"{r['size']}x{r['size']}" if len(ZOO[r["arch"]][0]) == 3 else "signal",
+                style, f"{r['placed'][style]} / {r['kernels'][style]} ({r['kernels']['quantize_static']})",
                 " / ".join(f"{r['speedup'][b][style]:.2f}x" for b in bs),
                 " / ".join(f"{r['speedup'][b]['quantize_static']:.2f}x" for b in bs),
-                f"{r['quality']['FP32']:.4f} / {r['quality'][style]:.4f} / {r['quality']['quantize_static']:.4f}",
+                f"{q['FP32']:.4f} / {q[style]:.4f} / {q['quantize_static']:.4f}" if q else "- (trained at 32x32)",
                 f"{r['cost_s'][style]:.1f} ({r['cost_s']['quantize_static']:.1f})",
                 "yes" if r["verified"][style] is True else f"no: {r['verified'][style]}"])
-    notes = [n for r in rows for n in (f"{r['arch']} {x}" for x in r["notes"])]
+    notes = [n for r in rows for n in (f"{r['arch']} ({r['size']}) {x}" for x in r["notes"])]
     intro = ("Every architecture of `bench.styles` in each of its styles, lq's default path (`quantize_model(model, "
              "sample=batch)`, `calibrate_model` with no method, `export_onnx` with its speed check and fallback) "
              "against onnxruntime's `quantize_static` (QDQ, per-channel, u8s8, after `quant_pre_process`) on the same "
              "weights and calibration batches; speed-ups over the faster of the two plain FP32 exports (legacy and "
-             "current exporter), 1 thread, files timed in turns. Quality: accuracy on held-out MNIST digits (U-Net: "
-             "IoU of the ink mask)." + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else ""))
+             "current exporter), 1 thread, files timed in turns. Integer conv/gemm in onnxruntime's graph: of lq's "
+             "placement (exported with `fallback_seconds=0`), of the file the default path saved (after any "
+             "fallback), of quantize_static's. Quality: accuracy on held-out MNIST digits (U-Net: IoU of the ink mask); "
+             "the weights are trained at 32x32 (6 epochs), and rows at a larger input use them on resized digits, "
+             "for kernels and speed only." + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else ""))
     return _report.finish_run(out, "styles", {"rows": rows, "fast": fast}, "Style zoo: one architecture, "
                               "every way of writing it", intro, _report.table(headers, lines), cmd, seconds)
 
@@ -934,13 +951,18 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--arch", nargs="*", default=list(ZOO), choices=list(ZOO))
+    ap.add_argument("--sizes", nargs="*", type=int, default=[32],
+                    help="image sizes to make and time the files at (weights trained at 32); also e.g. 224")
     args = ap.parse_args(argv)
     out, cmd, t0 = _report.start_run(args)
     rows = []
-    for arch in args.arch:
-        _report.log(f"{arch} ...")
-        with tempfile.TemporaryDirectory() as d:
-            rows.append(run_arch(arch, args.fast, d, _report.log))
+    for size in args.sizes:
+        for arch in args.arch:
+            if size != 32 and arch not in SIZED:
+                continue
+            _report.log(f"{arch} at {size} ...")
+            with tempfile.TemporaryDirectory() as d:
+                rows.append(run_arch(arch, args.fast, d, _report.log, size))
     write_markdown(rows, out, cmd, time.perf_counter() - t0, args.fast)
     return 0
 

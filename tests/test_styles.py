@@ -2,9 +2,9 @@
 
 ``bench.styles`` writes eight architectures in three or four styles each (``nn.Sequential`` blocks, functions in
 helper methods, forwards torch.fx cannot trace, a layer's weight passed to a function) that compute the same
-function. lq places its quantizers on one capture of the whole model, so every style must give the same integer
-kernels in onnxruntime's graph, and every conv/linear must run as an integer kernel unless the rules table says
-onnxruntime runs it faster in float. The reference for both is the model itself: the number of its conv/linear
+function. lq places its quantizers on one capture of the whole model, so every style must give the same kernels in
+onnxruntime's graph (its integer kernels, float convs and gemms, pools and layout changes), and every conv/linear
+must run as an integer kernel unless the rules table says onnxruntime runs it faster in float. The reference for both is the model itself: the number of its conv/linear
 layers (the same in every style), and the other styles' files."""
 
 from __future__ import annotations
@@ -15,6 +15,14 @@ import torch
 from bench import styles as S
 
 pytest.importorskip("onnxruntime")
+
+
+#: the float kernels and layout changes compared across styles, beside onnxruntime's integer kernels. Not compared:
+#: reshapes and shape arithmetic (the legacy exporter writes ``x.shape`` code as Shape/Gather/Concat), Q/DQ counts
+#: (a chain of two-way concatenations and one n-way concatenation of the same tensors are both a DenseNet)
+KERNELS = ("Conv", "FusedConv", "NhwcFusedConv", "Gemm", "FusedGemm", "MatMul", "FusedMatMul", "MaxPool",
+           "NhwcMaxPool", "AveragePool", "GlobalAveragePool", "Transpose", "ReorderInput", "ReorderOutput", "Resize",
+           "Expand")
 
 
 def _sample(arch: str, n: int = 32) -> torch.Tensor:
@@ -40,7 +48,7 @@ def test_every_style_gets_the_same_integer_kernels(arch, tmp_path):
     from bench.library import INT_CONV_GEMM
     from lq.calibration import calibrate_model
     from lq.convert import quantize_model
-    from lq.export import export_onnx, optimized_op_counts
+    from lq.export import INT8_KERNELS, export_onnx, optimized_op_counts
 
     x = _sample(arch)
     found = {}
@@ -52,8 +60,9 @@ def test_every_style_gets_the_same_integer_kernels(arch, tmp_path):
         calibrate_model(model, [x[:16], x[16:]], method="max")
         path = str(tmp_path / f"{style}.onnx")
         # the legacy exporter: the same kernels as the current one (tests/test_capture.py exports with both), in a
-        # tenth of the time
-        res = export_onnx(model, x[:8], path, fallback_seconds=0, speed_check=False, dynamo=False)
+        # tenth of the time; not for the U-Net, whose style c resizes to ``skip.shape[-2:]``, which the legacy
+        # exporter writes as shape arithmetic the export cannot read a whole factor from (a Resize, not an Expand)
+        res = export_onnx(model, x[:8], path, fallback_seconds=0, speed_check=False, dynamo=arch == "unet")
         assert res.verified, res.verdict
         compute = [k for k in res.layer_kernels if k.op in ("Conv", "Gemm", "MatMul")]  # what onnxruntime runs
         bad = [k.text() for k in compute if not k.integer and not k.by_choice]
@@ -62,5 +71,7 @@ def test_every_style_gets_the_same_integer_kernels(arch, tmp_path):
         assert integer + chosen >= layers, (arch, style, integer, chosen, layers)
         ops = optimized_op_counts(path)  # the same counts in onnxruntime's graph, independent of the report
         assert sum(ops.get(k, 0) for k in INT_CONV_GEMM) == integer, (ops, integer)
-        found[style] = (integer, chosen, sum(res.int8_kernels.values()))
-    assert len(set(found.values())) == 1, f"{arch}: the styles differ (integer, float by choice, int8 kernels): {found}"
+        # the compute kernels and the layout changes onnxruntime runs (one style's max pool in float between two
+        # grids showed only here: MaxPool with Reorder/Transpose around it instead of NhwcMaxPool)
+        found[style] = sorted((k, v) for k, v in ops.items() if k in KERNELS or k in INT8_KERNELS)
+        assert found[style] == found["a"], f"{arch}: style {style} runs {found[style]}, style a {found['a']}"

@@ -17,6 +17,7 @@ import inspect
 import re
 from typing import Callable
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -24,8 +25,8 @@ from lq.glue import _outputs
 from lq.glue._outputs import OutputSite
 from lq.glue import _at_calls
 from lq.glue._rewrite import CHILD, GlueQuantized, GlueQuantizer, call_table, commit, glue_class, remove
-from lq.glue._rules import (FUNCTIONS, INPUT_QUANTIZER, METHODS, OUTPUT, TIE_THROUGH_FUNCTIONS, TIE_THROUGH_METHODS,
-                            TIE_THROUGH_MODULES, ACTIVATIONS, RELU_NORM, SLOPED, TIED_LAYERS, GlueRule)
+from lq.glue._rules import (FUNCTIONS, INPUT_QUANTIZER, METHODS, OUTPUT, TIE_THROUGH_METHODS, ACTIVATIONS, RELU_NORM,
+                            SLOPED, TIED_LAYERS, GlueRule, ties_through)
 from lq.glue._sites import Site, find_sites
 from lq.glue._trace import trace
 from lq.nn.modules.tensor_quantizer import TensorQuantizer
@@ -160,16 +161,17 @@ def _plain_sequential(m: nn.Module) -> bool:
     return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
 
 
+#: modules whose output holds the values of their input (a shortcut written as ``nn.Identity``)
+SAME_VALUE_MODULES = (nn.Identity, nn.Flatten, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+
+
 def _tie(parent: nn.Module, graph: fx.Graph, will_be_quantized):
     """``tie(node)``: the input quantizer path of the first quantized conv/linear of ``parent`` that reads
-    ``node`` as its input, directly or through grid-preserving ops (max pooling, reshapes), or None."""
+    ``node`` as its input, directly or through grid-preserving ops (max pooling, reshapes), or None; a node that
+    only passes its input's values on (an ``nn.Identity`` shortcut, a reshape) is tied as that input."""
 
     def through(u: fx.Node) -> bool:  # a grid-preserving op (max pool, reshape ...) reading its first argument
-        if u.op == "call_module":
-            return isinstance(parent.get_submodule(u.target), TIE_THROUGH_MODULES)
-        if u.op == "call_function":
-            return u.target in TIE_THROUGH_FUNCTIONS
-        return u.op == "call_method" and u.target in TIE_THROUGH_METHODS
+        return ties_through(u, parent)
 
     def tie(node: fx.Node, depth: int = 0) -> str | None:
         for u in node.users:
@@ -187,7 +189,17 @@ def _tie(parent: nn.Module, graph: fx.Graph, will_be_quantized):
                 found = tie(u, depth + 1)
                 if found:
                     return found
+        src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) and same_values(node) else None
+        if depth < 4 and src is not None:  # ``self.short(x)`` with an Identity shortcut is x: x's reader's grid
+            return tie(src, depth + 1)
         return None
+
+    def same_values(n: fx.Node) -> bool:  # its output is its first argument's values (an Identity, a reshape)
+        if n.op == "call_module":
+            return isinstance(parent.get_submodule(n.target), SAME_VALUE_MODULES)
+        if n.op == "call_function":
+            return n.target is torch.flatten
+        return n.op == "call_method" and n.target in TIE_THROUGH_METHODS
 
     return tie
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lq.glue._rules import (INPUT_QUANTIZER, MAX_POOLS, TIE_THROUGH_FUNCTIONS, TIE_THROUGH_METHODS, TIE_THROUGH_MODULES,
-                            TIED_LAYERS)
+from lq.glue._rules import INPUT_QUANTIZER, MAX_POOLS, TIED_LAYERS, ties_through
 
 
 def pool_readers(model: nn.Module, graphs: dict, will_be_quantized) -> list[tuple[nn.Module, nn.Module]]:
@@ -93,12 +92,11 @@ def _first_layer(whole, module: nn.Module, node, will_be_quantized, seen: set):
                 return child
             inner = whole.into(m, u, pos)
             found = _first_layer(whole, *inner, will_be_quantized, seen) if inner is not None else None
-            if found is None and isinstance(child, TIE_THROUGH_MODULES):
+            if found is None and ties_through(u, m):
                 found = _first_layer(whole, m, u, will_be_quantized, seen)
             if found is not None:
                 return found
-        elif pos == 0 and ((u.op == "call_function" and u.target in TIE_THROUGH_FUNCTIONS)
-                           or (u.op == "call_method" and u.target in TIE_THROUGH_METHODS)):
+        elif pos == 0 and ties_through(u, m):
             found = _first_layer(whole, m, u, will_be_quantized, seen)
             if found is not None:
                 return found

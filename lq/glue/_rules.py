@@ -78,9 +78,35 @@ TIED_LAYERS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linea
 #: reshapes): quantizing before or after them gives the same numbers, so the tie may look through them
 MAX_POOLS = (torch.nn.MaxPool1d, torch.nn.MaxPool2d, torch.nn.MaxPool3d)
 MAX_POOL_FUNCTIONS = {torch.nn.functional.max_pool1d, torch.nn.functional.max_pool2d, torch.nn.functional.max_pool3d}
-TIE_THROUGH_MODULES = MAX_POOLS + (torch.nn.Flatten, torch.nn.Identity)
-TIE_THROUGH_FUNCTIONS = MAX_POOL_FUNCTIONS | {torch.flatten}
+#: (dropout in evaluation is the identity; zero padding adds the grid's zero, which every lq grid holds exactly)
+TIE_THROUGH_MODULES = MAX_POOLS + (torch.nn.Flatten, torch.nn.Identity, torch.nn.Dropout, torch.nn.Dropout1d,
+                                   torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.ZeroPad1d, torch.nn.ZeroPad2d,
+                                   torch.nn.ZeroPad3d)
+TIE_THROUGH_FUNCTIONS = MAX_POOL_FUNCTIONS | {torch.flatten, torch.nn.functional.dropout}
 TIE_THROUGH_METHODS = {"flatten", "view", "reshape", "contiguous"}
+
+
+def pads_with_zeros(node) -> bool:
+    """``F.pad(x, pad)`` in constant mode with the value 0, as the ZeroPad modules pad: grid-preserving."""
+    if node.op != "call_function" or node.target is not torch.nn.functional.pad:
+        return False
+    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", None)
+    return mode == "constant" and (value is None or value == 0)
+
+
+def ties_through(node, parent) -> bool:
+    """``node`` maps the grid of its first argument onto itself (a max pool, a reshape, dropout, zero padding ...):
+    a quantizer before it and one after it may be one."""
+    if node.op == "call_module":
+        m = parent.get_submodule(node.target)
+        return isinstance(m, TIE_THROUGH_MODULES) or (isinstance(m, _CONSTANT_PADS) and m.value == 0)
+    if node.op == "call_function":
+        return node.target in TIE_THROUGH_FUNCTIONS or pads_with_zeros(node)
+    return node.op == "call_method" and node.target in TIE_THROUGH_METHODS
+
+
+_CONSTANT_PADS = (torch.nn.ConstantPad1d, torch.nn.ConstantPad2d, torch.nn.ConstantPad3d)
 
 #: call_function targets
 FUNCTIONS = {

@@ -93,10 +93,13 @@ def _whole_factors(g: Graph, prod: dict, resize, src: str, shapes: dict) -> list
         return None
     ins = list(resize.input) + [""] * (4 - len(resize.input))
     scales, sizes = g.const(ins[2]), _spatial_sizes(g, prod, ins[3], {resize.input[0], src}, len(shape), shapes)
+    out = shapes.get(resize.output[0])  # shape inference's output shape: the sizes however they were computed
     if scales is not None and scales.size == len(shape):
         f = scales.astype(np.float64)
     elif sizes is not None and all(shape[2:]):
         f = np.array([1, 1] + list(sizes), np.float64) / np.array([1, 1] + list(shape[2:]), np.float64)
+    elif out is not None and len(out) == len(shape) and all(shape[1:]) and all(out[1:]):
+        f = np.array([1, out[1] / shape[1]] + [o / i for o, i in zip(out[2:], shape[2:])], np.float64)
     else:
         return None
     if f[0] != 1 or f[1] != 1 or np.any(f[2:] < 1) or np.any(f[2:] != np.round(f[2:])) or np.all(f[2:] == 1):
@@ -127,7 +130,8 @@ def _spatial_sizes(g: Graph, prod: dict, sizes: str, own: set, rank: int, shapes
 
 def _shape_part(g: Graph, prod: dict, v: str, start: int, end: int) -> str | None:
     """``x`` when ``v`` is ``x``'s shape from ``start`` to ``end``: ``Shape(x, start, end)`` (the current
-    exporter) or ``Slice(Shape(x), [start], [end])`` (the legacy one; an ``end`` past the rank counts)."""
+    exporter) or ``Slice(Shape(x), [start], [end])`` (the legacy one; an ``end`` past the rank counts, and a start
+    counted from the end, ``x.shape[-2:]``, where ``end`` is the rank)."""
     n = prod.get(v)
     if n is not None and n.op_type == "Shape":
         stop = attr(n, "end")
@@ -137,8 +141,9 @@ def _shape_part(g: Graph, prod: dict, v: str, start: int, end: int) -> str | Non
     lo, hi = g.const(n.input[1]), g.const(n.input[2])
     axes_steps = [g.const(i) for i in n.input[3:5] if i]
     to_end = hi is not None and hi.size == 1 and (hi[0] == end or (start and hi[0] >= 2 ** 31 - 1))
-    if lo is None or lo.tolist() != [start] or not to_end or any(a is None or a.tolist() not in ([0], [1])
-                                                               for a in axes_steps):
+    starts = ([start], [start - end]) if start else ([start],)  # shape[2:] or, of a rank-``end`` tensor, shape[-2:]
+    if lo is None or lo.tolist() not in starts or not to_end or any(a is None or a.tolist() not in ([0], [1])
+                                                                    for a in axes_steps):
         return None
     s = prod.get(n.input[0])
     return s.input[0] if s is not None and s.op_type == "Shape" and not s.attribute else None
