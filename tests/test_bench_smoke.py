@@ -227,6 +227,25 @@ def test_fallback_fast(runs):
     assert "(CPU: " in md and "Command: `python -m bench.fallback --fast" in md
 
 
+def test_styles_fast(runs, bench_runs):
+    """The style zoo bench runs each style of the ResNet through lq's default path and quantize_static: the
+    placement gives every style the same integer kernels, every file verifies, and every ratio is a number."""
+    run = bench_runs["styles"]
+    if isinstance(run, str):
+        pytest.skip(run)
+    run.check()
+    res = _load(run.out / "styles" / "styles.json")
+    assert [r["arch"] for r in res["rows"]] == ["resnet"]
+    for r in res["rows"]:
+        styles = set(r["placed"])
+        assert len(styles) >= 3 and all(v is True for v in r["verified"].values()), r["verified"]
+        assert len({r["placed"][s] for s in styles}) == 1, r["placed"]  # one placement, however it is written
+        assert r["placed"]["a"] >= r["kernels"]["quantize_static"] - 1, (r["placed"], r["kernels"])
+        assert all(_finite(v) for b in r["speedup"].values() for k, v in b.items() if k != "baseline")
+    md = (run.out / "styles" / "styles.md").read_text()
+    assert "(CPU: " in md and "Command: `python -m bench.styles --fast" in md
+
+
 def _minilm_row(default_cos: float, rr_cos: float, dyn_cos: float, rr_speed: float, qs_speed: float) -> dict:
     from bench import ordinary as O
 

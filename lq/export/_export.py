@@ -31,7 +31,7 @@ from lq.export.prepare._model_checks import find_uncalibrated_quantizers  # noqa
 from lq.export.report import _report
 from lq.export.report._result import ExportResult, VerificationError  # noqa: F401  (public)
 from lq.export.timing import _fallback, _float_twin, _speed
-from lq.export.trace import _trace
+from lq.export.trace import _bypass, _trace
 from lq.export.finish import _finish
 from lq.export.verify import _judge, _verify
 
@@ -106,10 +106,16 @@ def export_onnx(model, sample_input, path=None, config: ExportConfig | None = No
     t0 = time.perf_counter()
     cfg = export_config(config, path, **options)
     prep = _prepare.prepare(model, sample_input, cfg)
-    traced = _trace.trace(prep, cfg)
+    return _from_trace(prep, _trace.trace(prep, cfg), cfg, t0)
+
+
+def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfig, t0: float) -> ExportResult:
+    """Stages 3-7 on a traced graph: rewrite, finish, verify, save, report, and (where timed) the speed check and
+    the fallback. ``traced.proto`` is rewritten in place."""
     notes = list(traced.notes)
     timed = cfg.verify and cfg.check_fusion and cfg.target == "onnxruntime" and cfg.speed_check
     twin = _float_twin.float_twin(traced.proto) if timed else None  # recurrent layers as ONNX LSTM, as in FP32
+    pristine = _copy(traced.proto) if timed and cfg.fallback_seconds > 0 else None  # the fallback's tries start here
 
     proto, rewrite = _pipeline.rewrite(traced.proto, cfg, prep.opset)
     notes += rewrite.notes
@@ -132,8 +138,9 @@ def export_onnx(model, sample_input, path=None, config: ExportConfig | None = No
     speed = _speed.speed_check(data, timer, timing_notes)
     notes += timing_notes
     fallback = None
-    if speed is not None and speed.clearly_slower and cfg.fallback_seconds > 0:
-        fallback, kept = _fall_back(prep, cfg, providers, timer, speed, kernels, time.perf_counter() - t0)
+    if speed is not None and speed.clearly_slower and pristine is not None:
+        traced = dataclasses.replace(traced, proto=pristine)
+        fallback, kept = _fall_back(prep, traced, cfg, providers, timer, speed, kernels, time.perf_counter() - t0)
         if kept is not None:
             kept.warnings[:0] = timing_notes
             return _warn_if_slower(kept)
@@ -145,6 +152,12 @@ def export_onnx(model, sample_input, path=None, config: ExportConfig | None = No
                          export_seconds)
     res.fallback = fallback
     return _warn_if_slower(res)
+
+
+def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    return out
 
 
 class SlowerThanFP32Warning(UserWarning):
@@ -161,11 +174,14 @@ def _warn_if_slower(res: ExportResult) -> ExportResult:
     return res
 
 
-def _fall_back(prep, cfg: ExportConfig, providers: list, timer: _speed.Timer, first, kernels: list,
+def _fall_back(prep, traced, cfg: ExportConfig, providers: list, timer: _speed.Timer, first, kernels: list,
                try_s: float) -> tuple[_fallback.Fallback, ExportResult | None]:
     """The measured fallback (:mod:`lq.export.timing._fallback`): copies of the model with groups of quantizers
     off, each exported, verified against itself and timed against the same FP32 file. Returns the search's
-    record and the result of the copy kept, its file saved at ``cfg.path`` (None: the first file stays)."""
+    record and the result of the copy kept, its file saved at ``cfg.path`` (None: the first file stays).
+
+    A copy's graph is the export's own trace with those quantizers passing their input on
+    (:mod:`lq.export.trace._bypass`) where the trace names them, else a trace of the copy."""
     try:
         order = _fallback.call_order(prep.work, prep.args)
     except Exception as e:  # noqa: BLE001 - the model ran in prepare; if it cannot run again, keep the first file
@@ -177,10 +193,20 @@ def _fall_back(prep, cfg: ExportConfig, providers: list, timer: _speed.Timer, fi
         paths = (os.path.join(tmp, f"try{i}.onnx") for i in range(10 ** 6))
 
         def export(off):
+            t0 = time.perf_counter()
             candidate = copy.deepcopy(prep.work)
             _fallback.disable(candidate, sorted(off))
-            _fallback.check_fidelity(_prepare.outputs(candidate, prep.args), prep.cases[0][1])
-            res = export_onnx(candidate, prep.args, config=dataclasses.replace(inner, path=next(paths)))
+            cfg_try = dataclasses.replace(inner, path=next(paths))
+            cand = _prepare.prepare(candidate, prep.args, cfg_try)
+            _fallback.check_fidelity(cand.cases[0][1], prep.cases[0][1])
+            shared = _bypass.without(traced.proto, prep.work, off) if cfg.dynamo else None
+            if shared is None:
+                res = _from_trace(cand, _trace.trace(cand, cfg_try), cfg_try, t0)
+            else:
+                try:
+                    res = _from_trace(cand, dataclasses.replace(traced, proto=shared), cfg_try, t0)
+                except VerificationError:  # the shared trace was not the copy's after all: trace the copy
+                    res = _from_trace(cand, _trace.trace(cand, cfg_try), cfg_try, t0)
             with open(res.path, "rb") as f:
                 return f.read(), res
 

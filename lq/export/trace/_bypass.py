@@ -1,0 +1,94 @@
+"""The traced graph with some quantizers off: the measured fallback's tries share the export's one trace.
+
+The fallback (:mod:`lq.export.timing._fallback`) times copies of the model with groups of quantizers turned off.
+A quantizer that is off passes its input on, so the trace of such a copy is the export's own trace with that
+quantizer's placeholders passing their input on: no second ``torch.onnx.export`` per try (seconds each with the
+current exporter, most of a try's cost). Every placeholder carries the module path of the quantizer that wrote it
+(:func:`lq.export._ir.layer_name`, from the current exporter's module stack). The legacy exporter's scope names
+leave out containers that are never called and number repeated calls, so its files are traced again per try (it
+takes a tenth of a second where the current exporter takes seconds).
+
+Where a placeholder cannot be told apart (no quantizer, or more than one, answers to its path) or what it hands on
+besides its output is read (a ``Quant``'s scale), :func:`without` answers None and the caller traces the copy.
+The copy's file is verified against the copy in PyTorch either way, so a wrong answer here cannot reach a file.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+import onnx
+from torch import nn
+
+from lq.export._ir import _names_inside, layer_name
+from lq.export.prepare._model_checks import _is_quantizer
+from lq.export.trace._symbolic import DOMAIN
+
+
+def _paths(model: nn.Module) -> dict[str, set[int]]:
+    """Every module path of a quantizer (a shared one has several) -> the quantizer (its id)."""
+    out: dict[str, set[int]] = defaultdict(set)
+    for name, m in model.named_modules(remove_duplicate=False):
+        if _is_quantizer(m):
+            out[name].add(id(m))
+    return out
+
+
+def without(proto: onnx.ModelProto, model: nn.Module, off: Iterable[str]) -> onnx.ModelProto | None:
+    """A copy of the traced ``proto`` (of ``model``) in which the placeholders of the quantizers ``off`` (module
+    paths of ``model``) pass their input on; None where a placeholder cannot be told apart or its other outputs
+    are read (the caller then traces the copy)."""
+    off_ids = {id(model.get_submodule(name)) for name in off}
+    paths = _paths(model)
+    graph = proto.graph
+    read_inside = _names_inside(graph.node)
+    outputs = {o.name for o in graph.output}
+    rename: dict[str, str] = {}
+    kept = []
+    for n in graph.node:
+        if n.domain != DOMAIN:
+            kept.append(n)
+            continue
+        owners = paths.get(layer_name(n), set())
+        if len(owners) != 1:
+            return None
+        if not owners & off_ids:
+            kept.append(n)
+            continue
+        if any(o for o in n.output[1:]) or n.output[0] in read_inside:
+            return None
+        rename[n.output[0]] = n.input[0]
+    if any(n.domain == DOMAIN and n.op_type in ("FakeQuant", "FakeAffineQuant") and layer_name(n) in paths
+           and paths[layer_name(n)] & off_ids for sub in _bodies(graph) for n in sub.node):
+        return None  # a quantizer inside a loop body (a recurrent layer's step): traced again instead
+
+    def source(name: str) -> str:
+        while name in rename:
+            name = rename[name]
+        return name
+
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    del out.graph.node[:]
+    nodes = []
+    for n in kept:
+        m = onnx.NodeProto()
+        m.CopyFrom(n)
+        for k, i in enumerate(m.input):
+            m.input[k] = source(i)
+        nodes.append(m)
+    for y in rename:
+        if y in outputs:  # a graph output keeps its name
+            nodes.append(onnx.helper.make_node("Identity", [source(y)], [y], name=f"{y}_passed_on"))
+    out.graph.node.extend(nodes)
+    return out
+
+
+def _bodies(graph: onnx.GraphProto):
+    from lq.export._ir import subgraphs
+
+    for n in graph.node:
+        for sub in subgraphs(n):
+            yield sub
+            yield from _bodies(sub)
