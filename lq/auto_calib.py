@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lq import progress as lq_progress
 from lq.calib._fidelity import _glob_escape, calibration_method_search, fidelity_metric, group_members, quantized_layers
 
 #: what ``auto`` tries, in order (the first is where every group starts)
@@ -182,8 +183,11 @@ def choose(model: nn.Module, quantizers: list, methods: Mapping[str, str], batch
                       f"is not a tensor to compare ({e}); choose a method, or give calibration a forward that "
                       "returns one", RuntimeWarning, stacklevel=3)
         return None
-    search = calibration_method_search(model, _ddp_mean(metric, process_group), groups=grp,
-                                       methods=CANDIDATES, percentile=PERCENTILE)
+    tries = 1 + len(grp) * (len(CANDIDATES) - 1)
+    with lq_progress.step("Calibration 'auto': methods per layer group", tries) as shown:
+        search = calibration_method_search(model, _ddp_mean(metric, process_group), groups=grp,
+                                           methods=CANDIDATES, percentile=PERCENTILE,
+                                           progress=lambda msg: shown.advance(description=f"Calibration 'auto': {msg}"))
     chosen = dict(search.methods)
     result = AutoResult(chosen, dict(chosen), trace=search.trace)
     members = group_members(model, grp)

@@ -26,6 +26,7 @@ and importable from here; the modules below this one (:mod:`lq.auto_calib`, :mod
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from lq import auto_calib
+from lq import progress as lq_progress
 from lq.calib._forward import default_forward, model_inputs
 from lq.nn.modules.tensor_quantizer import TensorQuantizer, iter_quantizers, name_quantizers
 
@@ -193,13 +195,18 @@ def _run(model, batches, quantizers, num_batches, forward, progress, collecting=
                 q.enable_calib()
             else:
                 q.disable_calib()
-        it = batches if progress is None else progress(batches, num_batches)
-        with torch.no_grad():
+        custom = callable(progress) and not isinstance(progress, lq_progress.Reporter)
+        it = progress(batches, num_batches) if custom else batches
+        total = num_batches if num_batches is not None else (len(batches) if hasattr(batches, "__len__") else None)
+        what = "Calibrating: histograms" if collecting is not None else "Calibrating"
+        with torch.no_grad(), (lq_progress.off() if custom else contextlib.nullcontext()), \
+                lq_progress.step(what, total) as shown:
             for batch in it:
                 if num_batches is not None and seen >= num_batches:
                     break
                 forward(model, batch)
                 seen += 1
+                shown.advance()
     finally:
         for q, if_quant, if_calib in saved:
             q._if_quant = if_quant
@@ -320,6 +327,8 @@ def calibrate_model(
             ``model(**batch)``, ``(inputs, target)`` is ``model(inputs)``, a tuple of a multi-input
             ``forward``'s inputs is ``model(*batch)``; see :func:`model_inputs`).
         only_uncalibrated: leave quantizers that already hold amax alone.
+        progress: None: shown on a terminal (:mod:`lq.progress`); False: not shown; an ``lq.progress.Reporter``:
+            reported to it; a callable ``(batches, total) -> batches`` wraps the batches (the callback's bar).
         strict: raise when no quantizer saw data (quantizers that saw none while others did are turned off, their
             layers float, with a warning naming them); ``False``: warn and keep those without data dynamic.
 
@@ -331,6 +340,14 @@ def calibrate_model(
         CalibrationError: the batches were empty, or no quantizer saw data (named).
         TypeError: a tuple batch that does not fit the model's ``forward`` (see :func:`model_inputs`).
     """
+    custom = callable(progress) and not isinstance(progress, lq_progress.Reporter)
+    with lq_progress.choose(None if custom else progress):
+        return _calibrate(model, batches, method, weight_method, method_overrides, num_batches, percentile,
+                          num_bins, forward, only_uncalibrated, strict, process_group, progress)
+
+
+def _calibrate(model, batches, method, weight_method, method_overrides, num_batches, percentile, num_bins, forward,
+               only_uncalibrated, strict, process_group, progress) -> dict:
     quantizers = select_quantizers(model, include_calibrated=not only_uncalibrated)
     if not quantizers:
         return CalibrationResult()

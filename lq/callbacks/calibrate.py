@@ -114,25 +114,10 @@ class QuantCalibrate(L.Callback):
 
     @staticmethod
     def _progress(trainer: L.Trainer):
-        bar = trainer.progress_bar_callback
-        if bar is None or not trainer.is_global_zero or getattr(bar, "is_disabled", False):
-            return None
-        from lightning.pytorch.callbacks import RichProgressBar
+        """Lightning's own bar on rank zero (:func:`lq.progress.lightning_reporter`); nothing where it shows none."""
+        from lq import progress
 
-        if isinstance(bar, RichProgressBar):
-            def rich_progress(it, total):
-                from rich.progress import track
-
-                return track(it, total=total, description="Calibrating", transient=True)
-
-            return rich_progress
-
-        def tqdm_progress(it, total):
-            from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
-
-            return Tqdm(it, total=total, desc="Calibrating", leave=False, dynamic_ncols=True)
-
-        return tqdm_progress
+        return progress.lightning_reporter(trainer) or False
 
     # ------------------------------------------------------------------ PTQ through trainer.validate
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

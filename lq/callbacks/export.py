@@ -88,6 +88,7 @@ class QuantExport(L.Callback):
         trainer.strategy.barrier("lq_export")
 
     def run(self, trainer: L.Trainer, pl_module: L.LightningModule, ckpt: Optional[str] = None):
+        from lq import progress
         from lq.export import SlowerThanFP32Warning, export_onnx
 
         path = self.resolve_path(trainer)
@@ -98,7 +99,8 @@ class QuantExport(L.Callback):
             sample = sample.to(pl_module.device) if isinstance(sample, torch.Tensor) else sample
             with warnings.catch_warnings():  # a slower file is said once, below, as a Lightning warning
                 warnings.simplefilter("ignore", SlowerThanFP32Warning)
-                result = export_onnx(pl_module, sample, path, config=e)
+                result = export_onnx(pl_module, sample, path, config=e,
+                                     progress=progress.lightning_reporter(trainer) or False)
         except Exception as err:
             where = f" The trained weights are safe in {ckpt}." if ckpt else ""
             raise ExportFailed(f"ONNX export to {path} failed: {str(err).rstrip('. ')}.{where}") from err

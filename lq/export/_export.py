@@ -23,6 +23,7 @@ import warnings
 
 import onnx
 
+from lq import progress as lq_progress
 from lq.config import EXPORT_TARGETS, EXPORTERS, WEIGHT_FORMATS, ExportConfig, coerce
 from lq.export._files import atomic_save, short
 from lq.export.passes import _pipeline
@@ -66,7 +67,8 @@ def export_config(config=None, path=None, **options) -> ExportConfig:
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
-def export_onnx(model, sample_input, path=None, config: ExportConfig | None = None, **options) -> ExportResult:
+def export_onnx(model, sample_input, path=None, config: ExportConfig | None = None, *, progress=None,
+                **options) -> ExportResult:
     """Export a fake-quantized model to ONNX with QuantizeLinear/DequantizeLinear, check and verify it.
 
     The model is never modified: the export works on a deep copy in eval mode (so training, checkpointing and
@@ -77,6 +79,8 @@ def export_onnx(model, sample_input, path=None, config: ExportConfig | None = No
         sample_input: a tensor (or tuple of tensors) to trace with and to verify on.
         path: the ``.onnx`` file to write (written only once the export succeeded); None: ``config.path``.
         config: the options, an :class:`lq.config.ExportConfig` (None: its defaults).
+        progress: None: the stages are shown on a terminal (:mod:`lq.progress`); False: not shown; an
+            ``lq.progress.Reporter``: reported to it. Each stage's seconds are in ``ExportResult.stage_seconds``.
         **options: single ExportConfig fields, e.g. ``opset=17``, ``target="tensorrt"``, ``dynamic_dims=(1,)``,
             ``speed_batch=32``; also ``dynamo=False`` (``exporter="legacy"``) and ``atol`` (``tolerance``).
 
@@ -105,13 +109,41 @@ def export_onnx(model, sample_input, path=None, config: ExportConfig | None = No
     """
     t0 = time.perf_counter()
     cfg = export_config(config, path, **options)
-    prep = _prepare.prepare(model, sample_input, cfg)
-    return _from_trace(prep, _trace.trace(prep, cfg), cfg, t0)
+    timed = cfg.verify and cfg.check_fusion and cfg.target == "onnxruntime" and cfg.speed_check
+    with lq_progress.choose(progress), lq_progress.step(
+            f"Exporting {os.path.basename(cfg.path or '')}: preparing", len(_STAGES) if timed else 5) as shown:
+        stages = _Stages(shown, t0)
+        prep = _prepare.prepare(model, sample_input, cfg)
+        stages.done("prepare")
+        traced = _trace.trace(prep, cfg)
+        stages.done("trace")
+        return _from_trace(prep, traced, cfg, t0, stages)
 
 
-def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfig, t0: float) -> ExportResult:
+#: the export's stages, in order, as ExportResult.stage_seconds names them
+_STAGES = ("prepare", "trace", "rewrite", "verify", "report", "fp32 reference", "speed check", "fallback")
+
+
+class _Stages:
+    """Each stage's seconds (ExportResult.stage_seconds), and the progress shown as each one ends."""
+
+    def __init__(self, shown: lq_progress.Step | None, t0: float):
+        self.shown, self.seconds, self._t = shown, {}, t0
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._t
+        self._t = now
+        if self.shown is not None:
+            k = _STAGES.index(name)
+            self.shown.advance(description=f"Exporting: {_STAGES[k + 1]}" if k + 1 < len(_STAGES) else None)
+
+
+def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfig, t0: float,
+                stages: _Stages | None = None) -> ExportResult:
     """Stages 3-7 on a traced graph: rewrite, finish, verify, save, report, and (where timed) the speed check and
     the fallback. ``traced.proto`` is rewritten in place."""
+    stages = stages or _Stages(None, t0)
     notes = list(traced.notes)
     timed = cfg.verify and cfg.check_fusion and cfg.target == "onnxruntime" and cfg.speed_check
     twin = _float_twin.float_twin(traced.proto) if timed else None  # recurrent layers as ONNX LSTM, as in FP32
@@ -123,33 +155,41 @@ def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfi
     notes += _report.encoding_notes(rewrite, seen, cfg)
     proto, opset = _finish.finish(proto, cfg, prep.opset, seen.risks, notes)
     export_seconds = time.perf_counter() - t0
+    stages.done("rewrite")
 
     providers = list(cfg.providers) if cfg.providers else _verify.default_providers(prep.device_type)
     data = proto.SerializeToString()  # the file as it will be deployed: verified and timed from these bytes
     verified = _judge.verify(proto, data, prep, cfg, providers, traced.unrolled, bool(rewrite.dynamic_lstms)) \
         if cfg.verify else None
+    stages.done("verify")
     atomic_save(proto, cfg.path)
     ort_ops, kernels = _report.kernels(proto, cfg, providers, seen, notes)
+    stages.done("report")
     if twin is None:
         return _report.result(proto, cfg, opset, prep, rewrite, verified, providers, ort_ops, kernels, None, notes,
-                              export_seconds)
+                              export_seconds, stages.seconds)
     timing_notes: list = []  # about the measurement itself: they hold for any file timed against this FP32 one
     timer = _speed.Timer.make(prep, cfg, twin, providers, timing_notes)
+    stages.done("fp32 reference")
     speed = _speed.speed_check(data, timer, timing_notes)
+    stages.done("speed check")
     notes += timing_notes
     fallback = None
     if speed is not None and speed.clearly_slower and pristine is not None:
         traced = dataclasses.replace(traced, proto=pristine)
-        fallback, kept = _fall_back(prep, traced, cfg, providers, timer, speed, kernels, time.perf_counter() - t0)
+        fallback, kept = _fall_back(prep, traced, cfg, providers, timer, speed, kernels, time.perf_counter() - t0,
+                                    stages.shown)
+        stages.done("fallback")
         if kept is not None:
             kept.warnings[:0] = timing_notes
+            kept.stage_seconds = dict(stages.seconds)
             return _warn_if_slower(kept)
     if speed is not None and speed.slower:
         notes.append(_speed.slower_note(speed, proto, kernels))
     if fallback is not None:
         notes.append(fallback.note())
     res = _report.result(proto, cfg, opset, prep, rewrite, verified, providers, ort_ops, kernels, speed, notes,
-                         export_seconds)
+                         export_seconds, stages.seconds)
     res.fallback = fallback
     return _warn_if_slower(res)
 
@@ -175,7 +215,8 @@ def _warn_if_slower(res: ExportResult) -> ExportResult:
 
 
 def _fall_back(prep, traced, cfg: ExportConfig, providers: list, timer: _speed.Timer, first, kernels: list,
-               try_s: float) -> tuple[_fallback.Fallback, ExportResult | None]:
+               try_s: float, shown: lq_progress.Step | None = None
+               ) -> tuple[_fallback.Fallback, ExportResult | None]:
     """The measured fallback (:mod:`lq.export.timing._fallback`): copies of the model with groups of quantizers
     off, each exported, verified against itself and timed against the same FP32 file. Returns the search's
     record and the result of the copy kept, its file saved at ``cfg.path`` (None: the first file stays).
@@ -192,8 +233,12 @@ def _fall_back(prep, traced, cfg: ExportConfig, providers: list, timer: _speed.T
     with tempfile.TemporaryDirectory(prefix="lq-fallback-") as tmp:
         paths = (os.path.join(tmp, f"try{i}.onnx") for i in range(10 ** 6))
 
+        tries = iter(range(1, 10 ** 6))
+
         def export(off):
             t0 = time.perf_counter()
+            if shown is not None:
+                shown.advance(0, description=f"Exporting: fallback, try {next(tries)} ({len(off)} quantizer(s) off)")
             candidate = copy.deepcopy(prep.work)
             _fallback.disable(candidate, sorted(off))
             cfg_try = dataclasses.replace(inner, path=next(paths))

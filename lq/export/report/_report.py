@@ -110,7 +110,8 @@ def qdq_counts(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def result(proto: onnx.ModelProto, cfg: ExportConfig, opset: int, prep, r: Rewrite, verified, providers: list,
-           ort_ops: Counter, found: list, speed, notes: list, export_seconds: float) -> ExportResult:
+           ort_ops: Counter, found: list, speed, notes: list, export_seconds: float,
+           stage_seconds: dict | None = None) -> ExportResult:
     return ExportResult(
         path=cfg.path, opset=opset, exporter=cfg.exporter,
         max_abs_diff=None if verified is None else verified.max_abs_diff,
@@ -120,4 +121,4 @@ def result(proto: onnx.ModelProto, cfg: ExportConfig, opset: int, prep, r: Rewri
         file_size=os.path.getsize(cfg.path), quantized=r.infos, folded_bn=r.folds, ort_ops=ort_ops,
         qdq_nodes=qdq_counts(proto), input_names=prep.input_names, output_names=prep.output_names, warnings=notes,
         export_seconds=export_seconds, uint8_weights=r.u8_weights, layer_kernels=found,
-        speedup=None if speed is None else speed.ratio, speed_check=speed)
+        speedup=None if speed is None else speed.ratio, speed_check=speed, stage_seconds=dict(stage_seconds or {}))

@@ -82,6 +82,9 @@ class ExportResult:
     output_checks: list[_verify.OutputCheck] = dataclasses.field(default_factory=list)
     verdict: str | None = None
     fallback: Fallback | None = None
+    #: seconds per stage of the export (prepare, trace, rewrite, verify, report, fp32 reference, speed check,
+    #: fallback), in the order they ran
+    stage_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def float_fallback(self) -> list[str]:
@@ -146,6 +149,8 @@ class ExportResult:
             lines.append(f"  layers on integer kernels: {n_int} of {len(self.layer_kernels)}")
         if self.speed_check is not None:
             lines.append(f"  speed: {self.speed_check}")
+        if self.stage_seconds:
+            lines.append("  seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in self.stage_seconds.items()))
         if self.float_fallback:
             lines.append(f"  sent back to float after timing ({self.fallback.before.ratio:.2f}x -> "
                          f"{self.fallback.after.ratio:.2f}x): {', '.join(self.float_fallback)}")
