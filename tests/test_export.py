@@ -135,7 +135,7 @@ def exported(tmp_path_factory):
     before = copy.deepcopy(model.state_dict())
     types_before = [(n, type(m)) for n, m in model.named_modules()]
     path = str(tmp_path_factory.mktemp("export") / "net.onnx")
-    res = export_onnx(model, _sample(), path, fallback_seconds=0)
+    res = export_onnx(model, _sample(), path, speed_check=False)
     return model, res, path, before, types_before
 
 
@@ -234,7 +234,7 @@ def test_onnxruntime_fuses_int8_kernels(exported):
 def test_per_tensor_weights_without_bn_scale_is_amax_over_127(tmp_path):
     model = _net(per_channel=False, bn=False)
     path = str(tmp_path / "pt.onnx")
-    res = export_onnx(model, _sample(), path, dynamo=False, fallback_seconds=0)
+    res = export_onnx(model, _sample(), path, dynamo=False, speed_check=False)
     assert res.verified
     inits = _init(path)
     stem_amax = float(model.stem[0]._weight_quantizer.amax)
@@ -251,7 +251,7 @@ def test_per_tensor_weights_without_bn_scale_is_amax_over_127(tmp_path):
 def test_per_tensor_weights_with_bn_fold_become_per_channel(tmp_path):
     model = _net(per_channel=False, bn=True)
     path = str(tmp_path / "ptbn.onnx")
-    res = export_onnx(model, _sample(), path, dynamo=False, fallback_seconds=0)
+    res = export_onnx(model, _sample(), path, dynamo=False, speed_check=False)
     assert res.verified
     inits = _init(path)
     conv, bn = model.stem[0], model.stem[1]
@@ -266,7 +266,7 @@ def test_per_tensor_weights_with_bn_fold_become_per_channel(tmp_path):
 def test_no_bn_folding_keeps_batchnorm(tmp_path):
     model = _net()
     path = str(tmp_path / "nofold.onnx")
-    res = export_onnx(model, _sample(), path, dynamo=False, fold_bn=False, fallback_seconds=0)
+    res = export_onnx(model, _sample(), path, dynamo=False, fold_bn=False, speed_check=False)
     assert len(_nodes(path, "BatchNormalization")) == 3
     assert res.verified
     assert not res.folded_bn
@@ -275,7 +275,7 @@ def test_no_bn_folding_keeps_batchnorm(tmp_path):
 def test_legacy_exporter(tmp_path):
     model = _net()
     path = str(tmp_path / "legacy.onnx")
-    res = export_onnx(model, _sample(), path, dynamo=False, opset=13, fallback_seconds=0)
+    res = export_onnx(model, _sample(), path, dynamo=False, opset=13, speed_check=False)
     assert res.exporter == "legacy" and res.opset == 13
     assert res.verified
     assert not _nodes(path, "BatchNormalization")
@@ -308,7 +308,7 @@ def test_uncalibrated_quantizer_is_named(tmp_path):
     before = copy.deepcopy(model.state_dict())
     path = tmp_path / "bad.onnx"
     with pytest.raises(ExportError, match=r"block\.conv2\._input_quantizer"):
-        export_onnx(model, _sample(), path, fallback_seconds=0)
+        export_onnx(model, _sample(), path, speed_check=False)
     assert not path.exists()
     assert before.keys() == model.state_dict().keys()
 
@@ -318,16 +318,16 @@ def test_verification_failure_names_diff_and_tolerance(tmp_path):
     path = tmp_path / "model.onnx"
     path.write_bytes(b"previous export")
     with pytest.raises(VerificationError, match=r"max abs diff .* tolerance 1e-12"):
-        export_onnx(model, _sample() * 3, path, dynamo=False, atol=1e-12, fallback_seconds=0)
+        export_onnx(model, _sample() * 3, path, dynamo=False, atol=1e-12, speed_check=False)
     assert path.read_bytes() == b"previous export"  # never overwritten on failure
     assert (tmp_path / "model.unverified.onnx").exists()
 
 
 def test_refuses_checkpoint_paths(tmp_path):
     with pytest.raises(ValueError, match="checkpoint"):
-        export_onnx(_net(), _sample(), tmp_path / "last.ckpt", fallback_seconds=0)
+        export_onnx(_net(), _sample(), tmp_path / "last.ckpt", speed_check=False)
     with pytest.raises(ValueError, match="opset"):
-        export_onnx(_net(), _sample(), tmp_path / "x.onnx", opset=11, fallback_seconds=0)
+        export_onnx(_net(), _sample(), tmp_path / "x.onnx", opset=11, speed_check=False)
 
 
 def test_fp8_needs_opset_19_and_exports_float8_qdq(tmp_path):
@@ -341,9 +341,9 @@ def test_fp8_needs_opset_19_and_exports_float8_qdq(tmp_path):
     model.eval()
     calibrate_model(model, [torch.randn(8, 3, 8, 8)])
     with pytest.raises(ExportError, match=r"'0\._input_quantizer' is FP8 .*opset >= 19"):
-        export_onnx(model, _sample(), tmp_path / "fp8_17.onnx", opset=17, dynamo=False, fallback_seconds=0)
+        export_onnx(model, _sample(), tmp_path / "fp8_17.onnx", opset=17, dynamo=False, speed_check=False)
     path = str(tmp_path / "fp8.onnx")
-    res = export_onnx(model, _sample(), path, opset=19, dynamo=False, fallback_seconds=0)
+    res = export_onnx(model, _sample(), path, opset=19, dynamo=False, speed_check=False)
     inits = {i.name: i for i in onnx.load(path).graph.initializer}
     f8 = onnx.TensorProto.FLOAT8E4M3FN
     q = _nodes(path, "QuantizeLinear")
@@ -363,12 +363,12 @@ def test_dynamic_block_quant_activation_is_refused_weights_are_blocked(tmp_path)
     model.eval()
     calibrate_model(model, [torch.randn(8, 32)])
     with pytest.raises(ExportError, match=r"'0\._input_quantizer' uses dynamic block quantization"):
-        export_onnx(model, torch.randn(4, 32), tmp_path / "blk.onnx", opset=21, dynamo=False, fallback_seconds=0)
+        export_onnx(model, torch.randn(4, 32), tmp_path / "blk.onnx", opset=21, dynamo=False, speed_check=False)
     model = nn.Sequential(qnn.QuantLinear(32, 8, quant_desc_weight=blk))
     model.eval()
     calibrate_model(model, [torch.randn(8, 32)])
     with pytest.raises(ExportError, match=r"opset >= 21"):
-        export_onnx(model, torch.randn(4, 32), tmp_path / "blk19.onnx", opset=19, dynamo=False, fallback_seconds=0)
+        export_onnx(model, torch.randn(4, 32), tmp_path / "blk19.onnx", opset=19, dynamo=False, speed_check=False)
     path = str(tmp_path / "blk21.onnx")
     res = export_onnx(model, torch.randn(4, 32), path, opset=21, dynamo=False, check_fusion=False, target="tensorrt")
     dq = [n for n in _nodes(path, "DequantizeLinear") if _attr(n, "block_size")]
@@ -384,7 +384,7 @@ def test_tensor_read_by_two_quantizers_still_fuses_exactly(tmp_path):
     _randomize_bn(model)
     model = _quantized(model, overrides={"block.conv1": {"input": {"num_bits": 8, "unsigned": True}}})
     path = str(tmp_path / "shared.onnx")
-    res = export_onnx(model, _sample(), path, dynamo=False, fallback_seconds=0)
+    res = export_onnx(model, _sample(), path, dynamo=False, speed_check=False)
     assert res.max_abs_diff <= 1e-3 * max(1.0, float(np.abs(_ref(model, _sample())).max()))
     ops = optimized_op_counts(path)
     assert ops["QLinearConv"] == 4 and ops.get("Conv", 0) == 0 and ops.get("FusedConv", 0) == 0
@@ -396,7 +396,7 @@ def test_dynamic_amax_quantizer_exports_with_computed_scale(tmp_path):
     model = nn.Sequential(qnn.QuantConv2d(3, 4, 3, quant_desc_input=dyn, quant_desc_weight=QuantDescriptor(
         num_bits=8, axis=0, amax=[0.5, 0.6, 0.7, 0.8]))).eval()
     x = torch.randn(4, 3, 8, 8)
-    res = export_onnx(model, x, tmp_path / "dyn.onnx", dynamo=False, fallback_seconds=0)
+    res = export_onnx(model, x, tmp_path / "dyn.onnx", dynamo=False, speed_check=False)
     assert res.max_abs_diff <= 1e-5
     assert {"ReduceMax", "QuantizeLinear"} <= {n.op_type for n in onnx.load(tmp_path / "dyn.onnx").graph.node}
 
@@ -445,7 +445,7 @@ def _pnet():
 def test_dynamic_spatial_dims_run_on_other_sizes(tmp_path, dynamo):
     model = _pnet()
     path = str(tmp_path / "pnet.onnx")
-    res = export_onnx(model, torch.randn(2, 3, 24, 24), path, dynamo=dynamo, dynamic_spatial=True, fallback_seconds=0)
+    res = export_onnx(model, torch.randn(2, 3, 24, 24), path, dynamo=dynamo, dynamic_spatial=True, speed_check=False)
     s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     assert [d if isinstance(d, int) else "sym" for d in s.get_inputs()[0].shape] == ["sym", 3, "sym", "sym"]
     for hw in ((24, 24), (37, 51), (12, 16)):
@@ -459,10 +459,10 @@ def test_dynamic_spatial_dims_run_on_other_sizes(tmp_path, dynamo):
 
 def test_static_spatial_by_default_and_a_clear_error_for_fixed_size_models(tmp_path):
     path = str(tmp_path / "pnet_static.onnx")
-    export_onnx(_pnet(), torch.randn(2, 3, 24, 24), path, fallback_seconds=0)
+    export_onnx(_pnet(), torch.randn(2, 3, 24, 24), path, speed_check=False)
     assert ort.InferenceSession(path, providers=["CPUExecutionProvider"]).get_inputs()[0].shape[2:] == [24, 24]
     with pytest.raises(ExportError, match="fixes its spatial size.*dynamic_spatial=False"):
-        export_onnx(_net(), _sample(), tmp_path / "fixed.onnx", dynamic_spatial=True, fallback_seconds=0)
+        export_onnx(_net(), _sample(), tmp_path / "fixed.onnx", dynamic_spatial=True, speed_check=False)
 
 
 def test_channels_last_sample_exports(tmp_path):
@@ -472,7 +472,7 @@ def test_channels_last_sample_exports(tmp_path):
                                         scale_factor=0.5)
     assert x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
     path = str(tmp_path / "cl.onnx")
-    res = export_onnx(model, x, path, fallback_seconds=0)
+    res = export_onnx(model, x, path, speed_check=False)
     assert res.max_abs_diff <= 1e-5
     assert np.abs(_run(path, x.contiguous()) - _ref(model, x)).max() <= 1e-5
 
@@ -483,11 +483,11 @@ def test_nan_in_the_sample_or_the_model_is_named(tmp_path):
     x = _sample()
     x[0, 0, 0, 0] = float("nan")
     with pytest.raises(VerificationError, match=r"sample input holds NaN/Inf \(input: 1 NaN, 0 Inf of 1152\)"):
-        export_onnx(model, x, tmp_path / "nan_in.onnx", dynamo=False, fallback_seconds=0)
+        export_onnx(model, x, tmp_path / "nan_in.onnx", dynamo=False, speed_check=False)
     with torch.no_grad():
         model.head.weight[0, 0] = float("nan")
     with pytest.raises(ExportError, match=r"'head\._weight_quantizer' holds NaN/Inf \(1 of 640 values\).*not finite"):
-        export_onnx(model, _sample(), tmp_path / "nan_w.onnx", dynamo=False, fallback_seconds=0)
+        export_onnx(model, _sample(), tmp_path / "nan_w.onnx", dynamo=False, speed_check=False)
     assert not (tmp_path / "nan_w.onnx").exists()
 
 
@@ -506,7 +506,7 @@ def test_a_barely_trained_model_is_judged_in_its_output_steps(tmp_path):
 
     calibrate_model(model, [torch.randn(16, 3, 8, 8)], method="max")
     path = str(tmp_path / "tiny.onnx")
-    res = export_onnx(model, _sample(), path, dynamo=False, fallback_seconds=0)
+    res = export_onnx(model, _sample(), path, dynamo=False, speed_check=False)
     lin = model[1]
     with torch.no_grad():
         wq = lin._weight_quantizer(lin.weight).double()
@@ -547,7 +547,7 @@ def test_a_mean_exports_at_a_requested_opset_17_without_a_warning(tmp_path):
     quantize_model(model, quant_desc_input=QuantDescriptor())
     with torch.no_grad():
         calibrate_model(model, [x], method="max")
-    res = export_onnx(model, x, str(tmp_path / "m.onnx"), opset=17, fallback_seconds=0)
+    res = export_onnx(model, x, str(tmp_path / "m.onnx"), opset=17, speed_check=False)
     assert res.opset == 17 and not [w for w in res.warnings if "opset" in w], res.warnings
     m = onnx.load(res.path)
     assert [o.version for o in m.opset_import if o.domain in ("", "ai.onnx")] == [17]
@@ -576,7 +576,7 @@ def test_no_opset_asked_gives_the_exporters_own_and_no_opset_warning(tmp_path, d
     model, x = _calibrated_encoder()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = export_onnx(model, x, str(tmp_path / "t.onnx"), dynamo=dynamo, fallback_seconds=0)
+        res = export_onnx(model, x, str(tmp_path / "t.onnx"), dynamo=dynamo, speed_check=False)
     assert res.opset == native
     assert [o.version for o in onnx.load(res.path).opset_import if o.domain in ("", "ai.onnx")] == [native]
     said = [w for w in res.warnings + [str(w.message) for w in caught] if "requested opset" in w]
@@ -586,7 +586,7 @@ def test_no_opset_asked_gives_the_exporters_own_and_no_opset_warning(tmp_path, d
 def test_an_asked_opset_that_cannot_be_reached_is_said(tmp_path):
     """The warning stays for what the user asked for: opset 17 from the current exporter on that graph."""
     model, x = _calibrated_encoder()
-    res = export_onnx(model, x, str(tmp_path / "t.onnx"), opset=17, fallback_seconds=0)
+    res = export_onnx(model, x, str(tmp_path / "t.onnx"), opset=17, speed_check=False)
     assert res.opset == 18 and any("requested opset 17" in w for w in res.warnings), res.warnings
 
 

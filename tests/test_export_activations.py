@@ -226,7 +226,7 @@ def _params():
 def test_export_is_exact_with_fusions_on(case, tmp_path):
     model = _quantized(CASES[case])
     path = str(tmp_path / f"{case}.onnx")
-    res = export_onnx(model, _inputs(4), path, fallback_seconds=0)
+    res = export_onnx(model, _inputs(4), path, speed_check=False)
     assert res.verified
 
     x = _inputs(5)  # fresh data, neither calibration nor the export's verification sample
@@ -249,7 +249,7 @@ def test_a_quantizer_moved_across_the_activation_is_caught(act, pool, tmp_path):
     quantizers, ``glue=False``: the wrong rewrite is written for a conv that feeds the activation directly.)"""
     model = _quantized(lambda: ActNet(act, pool=pool), glue=False)
     path, bad = str(tmp_path / "good.onnx"), str(tmp_path / "bad.onnx")
-    export_onnx(model, _inputs(4), path, fallback_seconds=0)
+    export_onnx(model, _inputs(4), path, speed_check=False)
     _move_quantizer_before_activation(path, bad)
     x = _inputs(5)
     with torch.no_grad():

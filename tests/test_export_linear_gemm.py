@@ -114,7 +114,7 @@ def test_exported_block_runs_its_linears_as_qgemm_for_any_token_count(tmp_path):
     model = Block()
     calib = [torch.randn(4, 10, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
     res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "block.onnx"), dynamic_dims=(1,),
-                                         fallback_seconds=0)
+                                         speed_check=False)
     kernels = {k.layer: k for k in res.layer_kernels if k.op in ("Gemm", "MatMul")}
     assert kernels["up"].op == "Gemm" and kernels["up"].kernel == "QGemm", kernels
     assert kernels["down"].op == "Gemm" and kernels["down"].kernel == "QGemm", kernels

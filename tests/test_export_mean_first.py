@@ -122,7 +122,7 @@ def test_exported_head_runs_on_the_mean_and_equals_pytorch(tmp_path, keepdim):
     torch.manual_seed(0)
     model = FullyConvolutional(keepdim)
     calib = [torch.randn(8, 4, 16, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
-    res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "fc.onnx"), fallback_seconds=0)
+    res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "fc.onnx"), speed_check=False)
     kernels = {k.layer: k for k in res.layer_kernels}
     assert kernels["head"].reason == ON_THE_MEAN and kernels["head"].by_choice, kernels["head"]
     assert kernels["body.0"].kernel == "QLinearConv" and kernels["body.2"].kernel == "QLinearConv", kernels

@@ -144,7 +144,7 @@ def test_export_pools_before_prelu_and_equals_pytorch(tmp_path, negative, narrow
     calib = [2 * torch.randn(8, 4, 21, 21, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
     with torch.no_grad():
         calibrate_model(model, calib, method="max")
-    res = export_onnx(model, calib[0], str(tmp_path / "p.onnx"), fallback_seconds=0)
+    res = export_onnx(model, calib[0], str(tmp_path / "p.onnx"), speed_check=False)
     g = onnx.load(res.path).graph
     prod = {o: n for n in g.node for o in n.output}
     (pool,) = [n for n in g.node if n.op_type == "MaxPool"]
@@ -171,7 +171,7 @@ def test_the_default_recipe_puts_a_pool_and_its_reader_on_one_grid_so_the_pool_m
     calib = [2 * torch.randn(8, 4, 21, 21, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
     with torch.no_grad():
         calibrate_model(model, calib, method="max")
-    res = export_onnx(model, calib[0], str(tmp_path / "p.onnx"), fallback_seconds=0)
+    res = export_onnx(model, calib[0], str(tmp_path / "p.onnx"), speed_check=False)
     ops = [n.op_type for n in onnx.load(res.path).graph.node]
     assert ops.index("MaxPool") < ops.index("PRelu"), ops
     # the recipe also quantizes c1's output (lq.glue._rules.SLOPED), so c1 runs as QLinearConv with its bias rounded
@@ -200,7 +200,7 @@ def test_the_pool_stays_between_two_quantizers_on_different_grids(tmp_path):
     with torch.no_grad():
         calibrate_model(model, calib, method="max")
         model.c2._input_quantizer.amax = 0.8 * float(model.c2._input_quantizer.amax)
-    res = export_onnx(model, calib[0], str(tmp_path / "p.onnx"), fallback_seconds=0)
+    res = export_onnx(model, calib[0], str(tmp_path / "p.onnx"), speed_check=False)
     ops = [n.op_type for n in onnx.load(res.path).graph.node]
     assert ops.index("PRelu") < ops.index("MaxPool"), ops
     _assert_equals_pytorch(model, res.path)
@@ -237,7 +237,7 @@ def test_a_pool_after_relu_and_batchnorm_reads_the_conv_integers(tmp_path):
     calib = [torch.randn(16, 1, 784, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
     with torch.no_grad():
         calibrate_model(model, calib)
-    res = export_onnx(model, calib[0], str(tmp_path / "c.onnx"), fallback_seconds=0)  # verified against PyTorch inside
+    res = export_onnx(model, calib[0], str(tmp_path / "c.onnx"), speed_check=False)  # verified against PyTorch inside
     ops = [n.op_type for n in onnx.load(res.path).graph.node]
     assert [o for o in ops if o in ("MaxPool", "BatchNormalization")] == ["MaxPool", "BatchNormalization"] * 2, ops
     counts = optimized_op_counts(res.path)

@@ -83,7 +83,7 @@ def test_an_exported_silu_is_quick_gelu_for_onnxruntime_only(tmp_path, target):
     torch.manual_seed(0)
     model = ConvSiLU().eval()
     calib = [torch.randn(4, 8, 10, 10, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
-    res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "m.onnx"), target=target, fallback_seconds=0)
+    res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "m.onnx"), target=target, speed_check=False)
     assert_file_matches_pytorch(model, res, torch.randn(4, 8, 10, 10, generator=torch.Generator().manual_seed(3)))
     if target == "onnxruntime":
         assert ops.count("QuickGelu") == 1 and "Sigmoid" not in ops, ops

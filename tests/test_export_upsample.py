@@ -151,7 +151,7 @@ def test_exported_unet_upsamples_by_expand_for_onnxruntime(tmp_path, target):
     with torch.no_grad():  # BatchNorm statistics that are not the identity
         model.train()(torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(2)))
     calib = [torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(s)) for s in (3, 4)]
-    res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "u.onnx"), target=target, fallback_seconds=0)
+    res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "u.onnx"), target=target, speed_check=False)
     if target == "onnxruntime":
         assert "Resize" not in ops and ops.count("Expand") == 1, ops
     else:
@@ -178,7 +178,7 @@ def test_upsample_to_a_size_keeps_the_conv_integer_and_becomes_expand(tmp_path, 
     torch.manual_seed(0)
     model = UpsampleToSize()
     calib = [torch.randn(4, 8, 16, 24, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
-    res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "s.onnx"), dynamo=dynamo, fallback_seconds=0)
+    res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "s.onnx"), dynamo=dynamo, speed_check=False)
     assert res.kernel_of("c") == "QLinearConv", [k.text() for k in res.layer_kernels]
     assert "Resize" not in ops and ops.count("Expand") == 1 and "Concat" not in ops, ops
     assert_file_matches_pytorch(model, res, torch.randn(2, 8, 16, 24, generator=torch.Generator().manual_seed(3)))
@@ -205,7 +205,7 @@ def test_skip_sized_upsample_keeps_every_conv_integer(tmp_path, dynamo):
     torch.manual_seed(0)
     model = SkipSizedDecoder()
     calib = [torch.randn(4, 8, 16, 24, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
-    res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "k.onnx"), dynamo=dynamo, fallback_seconds=0)
+    res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "k.onnx"), dynamo=dynamo, speed_check=False)
     assert [res.kernel_of(n) for n in ("a", "b")] == ["QLinearConv", "QLinearConv"], [
         k.text() for k in res.layer_kernels]
     if dynamo:

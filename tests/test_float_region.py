@@ -111,7 +111,7 @@ def test_the_file_runs_the_region_in_float_and_the_rest_on_integers(tmp_path):
     quantize_model(m)
     with torch.no_grad():
         calibrate_model(m, list(x[:48].split(16)))
-    res = export_onnx(m, x[:8], str(tmp_path / "m.onnx"), fallback_seconds=0)
+    res = export_onnx(m, x[:8], str(tmp_path / "m.onnx"), speed_check=False)
     assert_file_matches_pytorch(m, res, x[48:])
     kernels = {(k.layer, k.op): k.kernel for k in res.layer_kernels}
     assert kernels[("stem.0", "Conv")] == "Conv" and kernels[("blocks.0.block.0.0", "Conv")] == "Conv", kernels

@@ -219,7 +219,7 @@ def test_export_runs_plain_add_as_integer_add_and_fuses_the_convs(tmp_path):
     quantize_model(m, quant_desc_input=QuantDescriptor())
     x = torch.randn(4, 3, 12, 12)
     calibrate_model(m, [x])
-    res = export_onnx(m, x, str(tmp_path / "m.onnx"), fallback_seconds=0)  # verified against PyTorch inside
+    res = export_onnx(m, x, str(tmp_path / "m.onnx"), speed_check=False)  # verified against PyTorch inside
     kernels = {(k.layer, k.op): k.kernel for k in res.layer_kernels}
     assert kernels[("block", "Add")] == "QLinearAdd"
     assert kernels[("block.conv2", "Conv")] == "QLinearConv"  # its output now has a quantizer
@@ -270,7 +270,7 @@ def test_residual_operand_shares_the_next_conv_quantizer_and_the_pool_is_quantiz
         feat = m.blocks(m.stem(x[:4]))
         want = m.fc(torch.flatten(F.adaptive_avg_pool2d(_fq(feat, m.lq_glue.pool_0), 1), 1))
         torch.testing.assert_close(m(x[:4]), want, rtol=0, atol=0)
-    res = export_onnx(m, x[:4], str(tmp_path / "m.onnx"), fallback_seconds=0)  # verified against PyTorch inside
+    res = export_onnx(m, x[:4], str(tmp_path / "m.onnx"), speed_check=False)  # verified against PyTorch inside
     import onnx
 
     names = [n.name for n in onnx.load(str(tmp_path / "m.onnx")).graph.node]
@@ -324,7 +324,7 @@ def test_quant_callback_trains_checkpoints_and_exports_a_model_with_plain_adds(t
     L.seed_everything(0)
     model = LitResidual()
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
-    cb = lq.QuantCallback(export=ExportConfig(path="int8.onnx", fallback_seconds=0), verbose=False)
+    cb = lq.QuantCallback(export=ExportConfig(path="int8.onnx", speed_check=False), verbose=False)
     L.Trainer(max_epochs=1, limit_train_batches=4, limit_val_batches=2, logger=False, enable_progress_bar=False,
               enable_model_summary=False, default_root_dir=str(tmp_path), accelerator="cpu",
               callbacks=[cb, ckpt]).fit(model, datamodule=dm)
@@ -371,7 +371,7 @@ def test_layers_read_by_float_ops_get_output_quantizers_and_fuse(tmp_path):
         want = _fq(m.conv._conv_forward(m.conv._input_quantizer(x), m.conv._weight_quantizer(m.conv.weight),
                                         m.conv.bias), m.conv._output_quantizer)
         torch.testing.assert_close(m.conv(x), want, rtol=0, atol=0)
-    res = export_onnx(m, x, str(tmp_path / "m.onnx"), fallback_seconds=0)
+    res = export_onnx(m, x, str(tmp_path / "m.onnx"), speed_check=False)
     kernels = {k.layer: k.kernel for k in res.layer_kernels}
     assert kernels["conv"] == "QLinearConv" and kernels["mlp.0"] in ("QGemm", "MatMulIntegerToFloat"), kernels
     dequantize_model(m)
@@ -402,7 +402,7 @@ def test_convs_read_by_prelu_or_leaky_relu_get_no_output_quantizer(tmp_path):
     assert not [n for n in summary.quantized if n.endswith("_output_quantizer")], summary.quantized
     x = torch.randn(4, 4, 10, 10)
     calibrate_model(m, [x], method="max")
-    res = export_onnx(m, x, str(tmp_path / "m.onnx"), fallback_seconds=0)
+    res = export_onnx(m, x, str(tmp_path / "m.onnx"), speed_check=False)
     kernels = {k.layer: k for k in res.layer_kernels}
     for layer, reader in (("c1", "PRelu"), ("c2", "LeakyRelu"), ("c3", "LeakyRelu")):
         assert not kernels[layer].integer and reader in kernels[layer].reason, kernels[layer]
@@ -452,7 +452,7 @@ def test_scaled_dot_product_attention_gets_both_matmuls_quantized(tmp_path):
         want = m.out(y.transpose(1, 2).reshape(b, t, d))
         torch.testing.assert_close(m(x), want, rtol=0, atol=0)
     pytest.importorskip("onnxruntime")
-    res = export_onnx(m, x, str(tmp_path / "sdpa.onnx"), fallback_seconds=0)
+    res = export_onnx(m, x, str(tmp_path / "sdpa.onnx"), speed_check=False)
     attention = [k for k in res.layer_kernels if k.op == "MatMul" and k.layer not in ("qkv", "out")]
     assert len(attention) == 2 and all(k.integer for k in attention), res.layer_kernels  # q @ k^T and p @ v
 
@@ -488,7 +488,7 @@ def test_adds_only_float_ops_read_stay_float(tmp_path):
         h = x + m.f1(ref.n1(x))
         h = h + m.f2(ref.n2(h))
         torch.testing.assert_close(m(x), m.head(h.mean(1)), rtol=0, atol=0)
-    res = export_onnx(m, x, str(tmp_path / "m.onnx"), fallback_seconds=0)
+    res = export_onnx(m, x, str(tmp_path / "m.onnx"), speed_check=False)
     kernels = {k.layer: k.kernel for k in res.layer_kernels}
     assert all(kernels[n] in ("QGemm", "MatMulIntegerToFloat") for n in ("f1", "f2", "head")), kernels
     m2 = PreNorm(pool=False).eval()
@@ -528,7 +528,7 @@ def test_unet_skip_tensor_has_one_grid_and_every_conv_is_integer(tmp_path, metho
         want = m.dec2(torch.cat([_fq(up, m.lq_glue.cat_0_a), _fq(e2, m.enc3[0]._input_quantizer)], 1))
         d2 = m.dec2(torch.cat([m.lq_glue.cat_0_a(up), m.enc3[0]._input_quantizer(e2)], 1))
         torch.testing.assert_close(d2, want, rtol=0, atol=0)
-    res = export_onnx(m, x[:4], str(tmp_path / "unet.onnx"), fallback_seconds=0)  # verified against PyTorch inside
+    res = export_onnx(m, x[:4], str(tmp_path / "unet.onnx"), speed_check=False)  # verified against PyTorch inside
     import onnx
 
     assert not [n.name for n in onnx.load(res.path).graph.node if "_copy" in n.name]
@@ -582,7 +582,7 @@ def test_a_skip_passed_to_a_decoder_block_has_the_grid_of_the_conv_that_pools_it
     assert m.up1.lq_glue["cat_0_a"] is not m.stage2[0]._input_quantizer  # the upsampled operand keeps its own
     x = torch.rand(16, 1, 16, 16)
     calibrate_model(m, [x[:8], x[8:]], method=method)
-    res = export_onnx(m, x[:4], str(tmp_path / "unet.onnx"), fallback_seconds=0)  # verified against PyTorch inside
+    res = export_onnx(m, x[:4], str(tmp_path / "unet.onnx"), speed_check=False)  # verified against PyTorch inside
     kernels = {k.layer: k.kernel for k in res.layer_kernels if k.op == "Conv"}
     assert all(k == "QLinearConv" for name, k in kernels.items() if name != "head"), kernels
     # the 1-channel stem stays integer: a max pool reads it (lq.glue._outputs.pooled_stems)
@@ -624,7 +624,7 @@ def test_layers_reading_one_tensor_share_its_grid_and_its_producer_is_not_copied
         torch.testing.assert_close(link, F.conv2d(dq, m.link._weight_quantizer(m.link.weight), m.link.bias),
                                    rtol=0, atol=1e-6)
     res = export_onnx(m, x[:4], str(tmp_path / "heads.onnx"), output_names=["region", "link"],
-                      fallback_seconds=0)  # verified inside
+                      speed_check=False)  # verified inside
     nodes = onnx.load(res.path).graph.node
     assert not [n.name for n in nodes if "_copy" in n.name] and sum(n.op_type == "Conv" for n in nodes) == 4
     kernels = {k.layer: k.kernel for k in res.layer_kernels if k.op == "Conv"}

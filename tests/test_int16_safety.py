@@ -112,7 +112,7 @@ def test_default_8bit_export_stores_risky_weights_as_uint8_and_matches(tmp_path)
     batches = [torch.randn(8, 3, 12, 12) * 3 for _ in range(2)]
     model = _calibrated(_cnn(), batches)
     path = str(tmp_path / "m.onnx")
-    res = export_onnx(model, batches[0], path, fallback_seconds=0)
+    res = export_onnx(model, batches[0], path, speed_check=False)
     proto = onnx.load(path)
     assert int16_risks(proto) == []  # fails if the int8 x full-range encoding is restored
     assert res.uint8_weights  # 8-bit per-channel weights always have a 127 in every channel
@@ -138,7 +138,7 @@ def test_reduce_range_recipe_keeps_int8_weights_and_is_safe(tmp_path):
     with torch.no_grad():
         calibrate_model(model, batches, method="max")
     path = str(tmp_path / "rr.onnx")
-    res = export_onnx(model, batches[0], path, fallback_seconds=0)
+    res = export_onnx(model, batches[0], path, speed_check=False)
     assert res.uint8_weights == [] and int16_risks(onnx.load(path)) == []
     inits = {i.name: numpy_helper.to_array(i) for i in onnx.load(path).graph.initializer}
     w = [a for a in inits.values() if a.dtype == np.int8 and a.ndim == 4]
@@ -153,7 +153,7 @@ def test_smallest_mlp_exports_right_with_fusions_on(tmp_path):
     batches = [torch.randn(64, 8) for _ in range(2)]
     model = _calibrated(model, batches)
     path = str(tmp_path / "mlp.onnx")
-    res = export_onnx(model, batches[0], path, fallback_seconds=0)
+    res = export_onnx(model, batches[0], path, speed_check=False)
     assert int16_risks(onnx.load(path)) == []
     # fusions on (as verified) and off agree: the integer kernels compute the Q/DQ graph
     x = torch.randn(256, 8).numpy()
@@ -192,7 +192,7 @@ def digits_transformer():
 def test_multihead_attention_transformer_exports_right_for_both_targets(tmp_path, digits_transformer, target):
     model, sample = digits_transformer
     path = str(tmp_path / f"mha_{target}.onnx")
-    res = export_onnx(model, sample, path, target=target, fallback_seconds=0)
+    res = export_onnx(model, sample, path, target=target, speed_check=False)
     with torch.no_grad():
         big = float(model(sample).abs().max())
     assert res.max_abs_diff <= 0.01 * big

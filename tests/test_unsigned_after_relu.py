@@ -132,7 +132,7 @@ def test_export_drops_every_relu_and_matches_pytorch(tmp_path):
     quantize_model(m, quant_desc_weight=Int8ReduceRangeConfig().weight.to_descriptor(), unsigned_after_relu=True)
     x = torch.randn(16, 3, 16, 16)
     calibrate_model(m, [x[:8], x[8:]], method="max")
-    res = export_onnx(m, x[:4], str(tmp_path / "m.onnx"), fallback_seconds=0)
+    res = export_onnx(m, x[:4], str(tmp_path / "m.onnx"), speed_check=False)
     ops = optimized_op_counts(str(tmp_path / "m.onnx"))
     assert "Relu" not in ops and "Max" not in ops, ops
     assert "NhwcMaxPool" in ops and "MaxPool" not in ops, ops  # the stem's pool runs on the uint8 NHWC kernel
@@ -164,5 +164,5 @@ def test_a_tensor_a_signed_quantizer_also_reads_stays_on_one_grid(tmp_path):
     assert _unsigned(m) == ["2.conv2._input_quantizer", "3.conv2._input_quantizer"]
     x = torch.randn(8, 3, 12, 12)
     calibrate_model(m, [x], method="max")
-    export_onnx(m, x[:4], str(tmp_path / "m.onnx"), fallback_seconds=0)
+    export_onnx(m, x[:4], str(tmp_path / "m.onnx"), speed_check=False)
     assert not [n.name for n in onnx.load(str(tmp_path / "m.onnx")).graph.node if "_copy" in n.name]

@@ -197,7 +197,7 @@ def mobilenet200():
 @pytest.fixture(scope="module")
 def mobilenet_file(mobilenet200, tmp_path_factory):
     model, _, x = mobilenet200
-    return lq.export_onnx(model, x, str(tmp_path_factory.mktemp("mnv3") / "mnv3.onnx"), fallback_seconds=0)
+    return lq.export_onnx(model, x, str(tmp_path_factory.mktemp("mnv3") / "mnv3.onnx"), speed_check=False)
 
 
 # =========================================================================== (a) the issue's architectures pass
@@ -229,7 +229,7 @@ def test_mobilenet_v3_like_file_verifies_with_int8_reduce_range(tmp_path):
     QuantSwap(Int8ReduceRangeConfig()).swap(model)
     with torch.no_grad():
         lq.calibrate_model(model, calib)
-    res = lq.export_onnx(model, torch.randn(64, 3, 32, 32), str(tmp_path / "rr.onnx"), fallback_seconds=0)
+    res = lq.export_onnx(model, torch.randn(64, 3, 32, 32), str(tmp_path / "rr.onnx"), speed_check=False)
     (c,) = res.output_checks
     assert c.rows == 64 and c.top1_differ == 0 and c.frac_far <= _verify.FAR_FRACTION
 
@@ -240,7 +240,7 @@ def test_minilm_like_encoder_with_padding_verifies(tmp_path):
     the real tokens."""
     model, _, (ids, mask) = minilm()
     assert 0.2 < 1 - mask.float().mean() < 0.5
-    res = lq.export_onnx(model, (ids, mask), str(tmp_path / "minilm.onnx"), fallback_seconds=0)
+    res = lq.export_onnx(model, (ids, mask), str(tmp_path / "minilm.onnx"), speed_check=False)
     assert [c.name for c in res.output_checks] == res.output_names == ["output_0", "output_1"]
     tokens, pooled = res.output_checks
     assert tokens.elements == ids.numel() * 64 and not tokens.from_graph and tokens.rows == 0
@@ -260,7 +260,7 @@ def test_crnn_text_recognizer_verifies(tmp_path):
     lq.quantize_model(model)
     with torch.no_grad():
         lq.calibrate_model(model, calib)
-    res = lq.export_onnx(model, torch.randn(16, 1, 32, 128), str(tmp_path / "crnn.onnx"), fallback_seconds=0)
+    res = lq.export_onnx(model, torch.randn(16, 1, 32, 128), str(tmp_path / "crnn.onnx"), speed_check=False)
     (c,) = res.output_checks
     assert c.from_graph and c.elements == 16 * 32 * 37 and c.rows == 0 and c.frac_far <= _verify.FAR_FRACTION
 
@@ -275,7 +275,7 @@ def test_the_step_after_a_linear_is_its_input_scale_times_its_largest_weight_row
     with torch.no_grad():
         lq.calibrate_model(model, [x], method="max")
         wq = model[2]._weight_quantizer(model[2].weight).double()
-    res = lq.export_onnx(model, x, str(tmp_path / "mlp.onnx"), target=target, fallback_seconds=0)
+    res = lq.export_onnx(model, x, str(tmp_path / "mlp.onnx"), target=target, speed_check=False)
     scale = float(numpy_helper.to_array(next(i for i in onnx.load(res.path).graph.initializer
                                              if "2/_input_quantizer/scale" in i.name.replace(".", "/"))))
     (c,) = res.output_checks
@@ -308,10 +308,10 @@ def test_a_weight_scale_five_percent_off_fails(mobilenet200, tmp_path, monkeypat
     path = tmp_path / "wrong.onnx"
     with pytest.raises(VerificationError, match=r"(?s)output: \d+\.\d\d% of its elements are more than 6 output "
                                                 r"steps .* allowed 1%.*\nMeasured: output: step .* beyond 6; max "):
-        lq.export_onnx(model, x, str(path), fallback_seconds=0)
+        lq.export_onnx(model, x, str(path), speed_check=False)
     assert not path.exists() and (tmp_path / "wrong.unverified.onnx").exists()
     # a tolerance the user sets wins (here a loose one), and the steps are still measured
-    res = lq.export_onnx(model, x, str(path), rtol=1.0, fallback_seconds=0)
+    res = lq.export_onnx(model, x, str(path), rtol=1.0, speed_check=False)
     (c,) = res.output_checks
     assert res.tolerance == pytest.approx(np.abs(_logits(model, x)).max()) and c.frac_far > _verify.FAR_FRACTION
     assert "tolerance" in res.summary() and "judged in output steps" not in res.summary()
@@ -321,7 +321,7 @@ def test_the_same_rewrite_done_right_passes(mobilenet200, tmp_path, monkeypatch)
     """The hook itself changes nothing else: with the right scale the file verifies (the test above can fail)."""
     model, _, x = mobilenet200
     _wrong_stem_scale(monkeypatch, 1.0)
-    right = lq.export_onnx(model, x, str(tmp_path / "right.onnx"), fallback_seconds=0)
+    right = lq.export_onnx(model, x, str(tmp_path / "right.onnx"), speed_check=False)
     assert right.output_checks[0].frac_far <= _verify.FAR_FRACTION
 
 
@@ -380,10 +380,10 @@ def test_a_file_whose_predictions_differ_on_a_few_percent_fails(mobilenet200, mo
     monkeypatch.setattr(_finish, "remove_placeholder_opset", bumped)
     # judged on 256 rows (the sample's 64 and rows mixed from them): the bumped class takes a few percent of them
     with pytest.raises(VerificationError, match=r"the top-1 class differs from PyTorch's on \d+ of 256 rows") as e:
-        lq.export_onnx(model, x, str(tmp_path / "flips.onnx"), fallback_seconds=0)
+        lq.export_onnx(model, x, str(tmp_path / "flips.onnx"), speed_check=False)
     assert "output steps" not in str(e.value).split("Measured")[0]  # the elements alone would have passed
     # the rule before steps passed it
-    res = lq.export_onnx(model, x, str(tmp_path / "flips.onnx"), rtol=0.05, fallback_seconds=0)
+    res = lq.export_onnx(model, x, str(tmp_path / "flips.onnx"), rtol=0.05, speed_check=False)
     assert res.output_checks[0].top1_differ >= 2
 
 

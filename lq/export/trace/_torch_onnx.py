@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import threading
 import warnings
 from typing import Any
 
@@ -30,10 +31,64 @@ def export_dynamo(model, args, opset, input_names, output_names, dims) -> onnx.M
             for d in dims)
     with warnings.catch_warnings(), _quiet_torch_onnx():
         warnings.simplefilter("ignore")
-        prog = torch.onnx.export(model, args, dynamo=True, opset_version=max(opset, 18),
-                                 custom_translation_table=table, input_names=input_names,
-                                 output_names=output_names, optimize=True, verbose=False, **kw)
+        core = _core_export()
+        if core is not None:
+            export, shapes_for = core
+            shapes, rename = shapes_for(kw.get("dynamic_shapes"))
+            prog = export(model, args, registry=_registry(max(opset, 18), table), dynamic_shapes=shapes,
+                          input_names=input_names, output_names=output_names, optimize=True, verbose=False,
+                          opset_version=max(opset, 18))
+            if rename and shapes is not None:  # the axes named as the user named them, as torch.onnx.export does
+                prog._rename_dynamic_axes(kw["dynamic_shapes"])
+        else:
+            prog = torch.onnx.export(model, args, dynamo=True, opset_version=max(opset, 18),
+                                     custom_translation_table=table, input_names=input_names,
+                                     output_names=output_names, optimize=True, verbose=False, **kw)
     return prog.model_proto
+
+
+_REGISTRIES: dict = {}
+_NEEDS = {"registry", "dynamic_shapes", "input_names", "output_names", "optimize", "opset_version", "verbose"}
+
+
+def _core_export():
+    """torch.onnx's exporter below ``torch.onnx.export(dynamo=True)`` (and how that call names dynamic axes),
+    which takes a registry of translations:
+    ``torch.onnx.export`` builds that registry from onnxscript's torchlib on every call (0.4 s of a small model's
+    1 s export on a Xeon), so lq builds it once per opset (:func:`_registry`). None where this torch has no such
+    function with those arguments: then ``torch.onnx.export`` itself is called, as before."""
+    try:
+        import inspect
+
+        from torch.onnx._internal.exporter import _core, _dynamic_shapes, _onnx_program
+    except ImportError:
+        return None
+    fn = getattr(_core, "export", None)
+    shapes = getattr(_dynamic_shapes, "convert_str_to_export_dim", None)
+    try:
+        ok = (fn is not None and shapes is not None and _NEEDS <= set(inspect.signature(fn).parameters)
+              and hasattr(_onnx_program.ONNXProgram, "_rename_dynamic_axes"))
+    except (TypeError, ValueError):
+        ok = False
+    return (fn, shapes) if ok else None
+
+
+def _registry(opset: int, table: dict):
+    """onnxscript's translations for ``opset`` with lq's placeholders registered (what ``torch.onnx.export``
+    builds per call from ``custom_translation_table``), built once per opset and process."""
+    with _REGISTRY_LOCK:
+        reg = _REGISTRIES.get(opset)
+        if reg is None:
+            from torch.onnx._internal.exporter import _constants, _registration
+
+            reg = _registration.ONNXRegistry.from_torchlib(opset_version=max(opset, _constants.TORCHLIB_OPSET))
+            for op, fn in table.items():
+                reg.register_op(op, fn, is_complex=False)
+            _REGISTRIES[opset] = reg
+        return reg
+
+
+_REGISTRY_LOCK = threading.Lock()
 
 
 def export_legacy(model, args, opset, input_names, output_names, dims) -> onnx.ModelProto:
