@@ -364,13 +364,15 @@ def run_model(label: str, ctor, shape, epochs: int, fast: bool, d: str, log) -> 
 
 
 def _on_avx2(row: dict, paths: dict, feeds, quality, fast: bool = False) -> None:
-    """``quality(first output)`` of every INT8 file of the row (``fast``: lq's files only) on this CPU and on an
+    """``quality(first output)`` of every INT8 file of the row (``fast``: the callback default's) on this CPU and on an
     emulated AVX2-only CPU (qemu's Haswell: no AVX-512, no VNNI; :mod:`bench._avx2`), for the same ``feeds``, in
     ``row["acc_avx2"][file] = {"here": .., "avx2": ..}``: onnxruntime's AVX2 integer kernels saturate where VNNI
     does not, so a file's accuracy can differ there. A note instead where qemu is not installed."""
     from bench import _avx2
 
-    names = [n for n in paths if n not in (FP32, FP32_LEGACY) and (n.startswith("lq") or not fast)]
+    # --fast: the callback's default recipe only (the file users get, u8 x s8 where AVX2 adds pairs in int16); the
+    # full run emulates every file
+    names = [n for n in paths if n not in (FP32, FP32_LEGACY) and (n == LQ_RECIPE or not fast)]
     if not _avx2.available():
         row["notes"].append("accuracy on AVX2 not measured: qemu-x86_64 is not installed (apt-get install qemu-user)")
         return
