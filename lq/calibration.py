@@ -195,7 +195,7 @@ def _run(model, batches, quantizers, num_batches, forward, progress, collecting=
                 q.enable_calib()
             else:
                 q.disable_calib()
-        custom = callable(progress) and not isinstance(progress, lq_progress.Reporter)
+        custom = _wraps_batches(progress)
         it = progress(batches, num_batches) if custom else batches
         total = num_batches if num_batches is not None else (len(batches) if hasattr(batches, "__len__") else None)
         what = "Calibrating: histograms" if collecting is not None else "Calibrating"
@@ -213,6 +213,11 @@ def _run(model, batches, quantizers, num_batches, forward, progress, collecting=
             q._if_calib = if_calib
         model.train(was_training)
     return seen
+
+
+def _wraps_batches(progress) -> bool:
+    """A ``progress`` that is a callable ``(batches, total) -> batches`` (it draws its own bar), not a setting."""
+    return callable(progress) and not isinstance(progress, lq_progress.Reporter)
 
 
 def global_count(n: int, process_group=None) -> int:
@@ -340,8 +345,7 @@ def calibrate_model(
         CalibrationError: the batches were empty, or no quantizer saw data (named).
         TypeError: a tuple batch that does not fit the model's ``forward`` (see :func:`model_inputs`).
     """
-    custom = callable(progress) and not isinstance(progress, lq_progress.Reporter)
-    with lq_progress.choose(None if custom else progress):
+    with lq_progress.choose(None if _wraps_batches(progress) else progress):
         return _calibrate(model, batches, method, weight_method, method_overrides, num_batches, percentile,
                           num_bins, forward, only_uncalibrated, strict, process_group, progress)
 

@@ -93,29 +93,20 @@ class RichReporter(Reporter):
                 self._progress.remove_task(handle)
 
 
-class _BarReporter(Reporter):
-    """Lightning's own bar classes: a tqdm bar per step (``leave=False``), or rich's ``track`` look."""
-
-    def __init__(self, rich: bool):
-        self.rich = RichReporter() if rich else None
+class _TqdmReporter(Reporter):
+    """Lightning's tqdm bar class, a bar per step that goes when it ends (``leave=False``)."""
 
     def open(self, description, total):
-        if self.rich is not None:
-            return self.rich.open(description, total)
         from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
         return Tqdm(total=total, desc=description, leave=False, dynamic_ncols=True)
 
     def advance(self, handle, n=1, description=None):
-        if self.rich is not None:
-            return self.rich.advance(handle, n, description)
         if description:
             handle.set_description(description, refresh=False)
         handle.update(n)
 
     def close(self, handle):
-        if self.rich is not None:
-            return self.rich.close(handle)
         handle.close()
 
 
@@ -205,4 +196,4 @@ def lightning_reporter(trainer) -> Reporter | None:
         return None
     from lightning.pytorch.callbacks import RichProgressBar
 
-    return _BarReporter(rich=isinstance(bar, RichProgressBar))
+    return RichReporter() if isinstance(bar, RichProgressBar) else _TqdmReporter()

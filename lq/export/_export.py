@@ -109,15 +109,19 @@ def export_onnx(model, sample_input, path=None, config: ExportConfig | None = No
     """
     t0 = time.perf_counter()
     cfg = export_config(config, path, **options)
-    timed = cfg.verify and cfg.check_fusion and cfg.target == "onnxruntime" and cfg.speed_check
     with lq_progress.choose(progress), lq_progress.step(
-            f"Exporting {os.path.basename(cfg.path or '')}: preparing", len(_STAGES) if timed else 5) as shown:
+            f"Exporting {os.path.basename(cfg.path or '')}: preparing", len(_STAGES) if _timed(cfg) else 5) as shown:
         stages = _Stages(shown, t0)
         prep = _prepare.prepare(model, sample_input, cfg)
         stages.done("prepare")
         traced = _trace.trace(prep, cfg)
         stages.done("trace")
         return _from_trace(prep, traced, cfg, t0, stages)
+
+
+def _timed(cfg: ExportConfig) -> bool:
+    """Whether the export times its file against FP32 (and may fall back): a verified onnxruntime file."""
+    return cfg.verify and cfg.check_fusion and cfg.target == "onnxruntime" and cfg.speed_check
 
 
 #: the export's stages, in order, as ExportResult.stage_seconds names them
@@ -145,7 +149,7 @@ def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfi
     the fallback. ``traced.proto`` is rewritten in place."""
     stages = stages or _Stages(None, t0)
     notes = list(traced.notes)
-    timed = cfg.verify and cfg.check_fusion and cfg.target == "onnxruntime" and cfg.speed_check
+    timed = _timed(cfg)
     twin = _float_twin.float_twin(traced.proto) if timed else None  # recurrent layers as ONNX LSTM, as in FP32
     pristine = _copy(traced.proto) if timed and cfg.fallback_seconds > 0 else None  # the fallback's tries start here
 
@@ -231,27 +235,26 @@ def _fall_back(prep, traced, cfg: ExportConfig, providers: list, timer: _speed.T
     groups = _fallback.groups(order, [k.layer for k in kernels if not k.integer and not k.by_choice])
     inner = dataclasses.replace(cfg, speed_check=False, providers=providers)
     with tempfile.TemporaryDirectory(prefix="lq-fallback-") as tmp:
-        paths = (os.path.join(tmp, f"try{i}.onnx") for i in range(10 ** 6))
-
         tries = iter(range(1, 10 ** 6))
 
         def export(off):
-            t0 = time.perf_counter()
+            t0, k = time.perf_counter(), next(tries)
             if shown is not None:
-                shown.advance(0, description=f"Exporting: fallback, try {next(tries)} ({len(off)} quantizer(s) off)")
+                shown.advance(0, description=f"Exporting: fallback, try {k} ({len(off)} quantizer(s) off)")
             candidate = copy.deepcopy(prep.work)
             _fallback.disable(candidate, sorted(off))
-            cfg_try = dataclasses.replace(inner, path=next(paths))
+            cfg_try = dataclasses.replace(inner, path=os.path.join(tmp, f"try{k}.onnx"))
             cand = _prepare.prepare(candidate, prep.args, cfg_try)
             _fallback.check_fidelity(cand.cases[0][1], prep.cases[0][1])
             shared = _bypass.without(traced.proto, prep.work, off) if cfg.dynamo else None
-            if shared is None:
-                res = _from_trace(cand, _trace.trace(cand, cfg_try), cfg_try, t0)
-            else:
+            res = None
+            if shared is not None:
                 try:
                     res = _from_trace(cand, dataclasses.replace(traced, proto=shared), cfg_try, t0)
                 except VerificationError:  # the shared trace was not the copy's after all: trace the copy
-                    res = _from_trace(cand, _trace.trace(cand, cfg_try), cfg_try, t0)
+                    pass
+            if res is None:
+                res = _from_trace(cand, _trace.trace(cand, cfg_try), cfg_try, t0)
             with open(res.path, "rb") as f:
                 return f.read(), res
 

@@ -21,7 +21,7 @@ from typing import Iterable
 import onnx
 from torch import nn
 
-from lq.export._ir import _names_inside, layer_name
+from lq.export._ir import _names_inside, all_nodes, layer_name, subgraphs
 from lq.export.prepare._model_checks import _is_quantizer
 from lq.export.trace._symbolic import DOMAIN
 
@@ -42,26 +42,21 @@ def without(proto: onnx.ModelProto, model: nn.Module, off: Iterable[str]) -> onn
     off_ids = {id(model.get_submodule(name)) for name in off}
     paths = _paths(model)
     graph = proto.graph
+    if any(n.domain == DOMAIN and paths.get(layer_name(n), set()) & off_ids
+           for m in graph.node for sub in subgraphs(m) for n in all_nodes(sub)):
+        return None  # a quantizer inside a loop body (a recurrent layer's step): traced again instead
     read_inside = _names_inside(graph.node)
-    outputs = {o.name for o in graph.output}
-    rename: dict[str, str] = {}
-    kept = []
+    rename: dict[str, str] = {}  # the output of each placeholder passed on -> its input
     for n in graph.node:
         if n.domain != DOMAIN:
-            kept.append(n)
             continue
         owners = paths.get(layer_name(n), set())
         if len(owners) != 1:
             return None
-        if not owners & off_ids:
-            kept.append(n)
-            continue
-        if any(o for o in n.output[1:]) or n.output[0] in read_inside:
-            return None
-        rename[n.output[0]] = n.input[0]
-    if any(n.domain == DOMAIN and n.op_type in ("FakeQuant", "FakeAffineQuant") and layer_name(n) in paths
-           and paths[layer_name(n)] & off_ids for sub in _bodies(graph) for n in sub.node):
-        return None  # a quantizer inside a loop body (a recurrent layer's step): traced again instead
+        if owners & off_ids:
+            if any(o for o in n.output[1:]) or n.output[0] in read_inside:
+                return None
+            rename[n.output[0]] = n.input[0]
 
     def source(name: str) -> str:
         while name in rename:
@@ -70,25 +65,13 @@ def without(proto: onnx.ModelProto, model: nn.Module, off: Iterable[str]) -> onn
 
     out = onnx.ModelProto()
     out.CopyFrom(proto)
+    nodes = [n for n in out.graph.node if not (n.domain == DOMAIN and n.output[0] in rename)]
+    for n in nodes:
+        for k, i in enumerate(n.input):
+            n.input[k] = source(i)
+    for o in out.graph.output:
+        if o.name in rename:  # a graph output keeps its name
+            nodes.append(onnx.helper.make_node("Identity", [source(o.name)], [o.name], name=f"{o.name}_passed_on"))
     del out.graph.node[:]
-    nodes = []
-    for n in kept:
-        m = onnx.NodeProto()
-        m.CopyFrom(n)
-        for k, i in enumerate(m.input):
-            m.input[k] = source(i)
-        nodes.append(m)
-    for y in rename:
-        if y in outputs:  # a graph output keeps its name
-            nodes.append(onnx.helper.make_node("Identity", [source(y)], [y], name=f"{y}_passed_on"))
     out.graph.node.extend(nodes)
     return out
-
-
-def _bodies(graph: onnx.GraphProto):
-    from lq.export._ir import subgraphs
-
-    for n in graph.node:
-        for sub in subgraphs(n):
-            yield sub
-            yield from _bodies(sub)

@@ -8,6 +8,7 @@ The current exporter (``dynamo=True``, with lq's translation table) and the lega
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import threading
@@ -48,14 +49,15 @@ def export_dynamo(model, args, opset, input_names, output_names, dims) -> onnx.M
 
 
 _REGISTRIES: dict = {}
+_REGISTRY_LOCK = threading.Lock()
 _NEEDS = {"registry", "dynamic_shapes", "input_names", "output_names", "optimize", "opset_version", "verbose"}
 
 
+@functools.cache
 def _core_export():
     """torch.onnx's exporter below ``torch.onnx.export(dynamo=True)`` (and how that call names dynamic axes),
-    which takes a registry of translations:
-    ``torch.onnx.export`` builds that registry from onnxscript's torchlib on every call (0.4 s of a small model's
-    1 s export on a Xeon), so lq builds it once per opset (:func:`_registry`). None where this torch has no such
+    which takes a registry of translations: ``torch.onnx.export`` builds that registry from onnxscript's torchlib
+    on every call (0.34 s of a small model's 1.15 s export on a Xeon), so lq builds it once per opset (:func:`_registry`). None where this torch has no such
     function with those arguments: then ``torch.onnx.export`` itself is called, as before."""
     try:
         import inspect
@@ -86,9 +88,6 @@ def _registry(opset: int, table: dict):
                 reg.register_op(op, fn, is_complex=False)
             _REGISTRIES[opset] = reg
         return reg
-
-
-_REGISTRY_LOCK = threading.Lock()
 
 
 def export_legacy(model, args, opset, input_names, output_names, dims) -> onnx.ModelProto:
