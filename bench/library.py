@@ -196,18 +196,19 @@ EFFNET_B0 = [(1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 2), (6, 3, 2, 80,
              (6, 5, 2, 192, 4), (6, 3, 1, 320, 1)]
 
 
-class EfficientNetSmall(nn.Module):
-    """B0 scaled down by the paper's own compound rule run backwards: width x0.5, depth x0.5 (rounded up), stem
-    at stride 1 for 32x32 inputs."""
+class _EfficientNet(nn.Module):
+    """The EfficientNet family's body: a 3x3 stem at stride 1 (32x32 inputs), the stages of ``table`` (rows of
+    ``(block class, expansion, k, stride, out, repeats)``) scaled by ``width`` and ``depth`` (repeats rounded up), a
+    1x1 head conv to 1280 x width, global average pool, dropout and a Linear."""
 
-    def __init__(self, classes: int = 10, width: float = 0.5, depth: float = 0.5, stages: int | None = None):
+    def __init__(self, stem: int, table, classes: int, width: float, depth: float):
         super().__init__()
-        c = _divisible(32 * width)
+        c = _divisible(stem * width)
         layers: list[nn.Module] = [ConvNormAct(1, c, 3, 1, act=nn.SiLU)]
-        for e, k, s, o, n in EFFNET_B0[:stages]:
+        for block, e, k, s, o, n in table:
             o = _divisible(o * width)
             for j in range(math.ceil(n * depth)):
-                layers.append(MBConv(c, o, k, s if j == 0 else 1, e))
+                layers.append(block(c, o, k, s if j == 0 else 1, e))
                 c = o
         last = _divisible(1280 * width)
         layers.append(ConvNormAct(c, last, 1, act=nn.SiLU))
@@ -217,6 +218,48 @@ class EfficientNetSmall(nn.Module):
 
     def forward(self, x):
         return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+class EfficientNetSmall(_EfficientNet):
+    """B0 scaled down by the paper's own compound rule run backwards: width x0.5, depth x0.5 (rounded up), stem
+    at stride 1 for 32x32 inputs."""
+
+    def __init__(self, classes: int = 10, width: float = 0.5, depth: float = 0.5, stages: int | None = None):
+        super().__init__(32, [(MBConv, *row) for row in EFFNET_B0[:stages]], classes, width, depth)
+
+
+# =========================================================================== 2b. EfficientNetV2-S (scaled down)
+class FusedMBConv(nn.Module):
+    """EfficientNetV2's Fused-MBConv (Tan & Le 2021): one k x k conv does the expansion and the spatial mixing
+    (SiLU), then a linear 1x1 projection; with expansion 1, the k x k conv alone (SiLU). No squeeze-excite; a
+    plain ``+`` when stride 1 and the widths match."""
+
+    def __init__(self, i: int, o: int, k: int, stride: int, expand: int):
+        super().__init__()
+        self.use_res = stride == 1 and i == o
+        if expand == 1:
+            self.block = nn.Sequential(ConvNormAct(i, o, k, stride, act=nn.SiLU))
+        else:
+            self.block = nn.Sequential(ConvNormAct(i, i * expand, k, stride, act=nn.SiLU),
+                                       ConvNormAct(i * expand, o, 1, act=None))
+
+    def forward(self, x):
+        y = self.block(x)
+        return y + x if self.use_res else y
+
+
+#: EfficientNetV2-S's stages (block, expansion, k, stride, out, repeats) from the paper's Table 4
+EFFNET_V2_S = [("fused", 1, 3, 1, 24, 2), ("fused", 4, 3, 2, 48, 4), ("fused", 4, 3, 2, 64, 4),
+               ("mb", 4, 3, 2, 128, 6), ("mb", 6, 3, 1, 160, 9), ("mb", 6, 3, 2, 256, 15)]
+
+
+class EfficientNetV2Small(_EfficientNet):
+    """V2-S scaled down (width x0.5, depth x0.25 rounded up, stem at stride 1 for 32x32 inputs): fused-MBConv in
+    the early stages, MBConv with sigmoid squeeze-excite (a quarter of the block's input width) and SiLU later."""
+
+    def __init__(self, classes: int = 10, width: float = 0.5, depth: float = 0.25, stages: int | None = None):
+        blocks = {"fused": FusedMBConv, "mb": MBConv}
+        super().__init__(24, [(blocks[kind], *row) for kind, *row in EFFNET_V2_S[:stages]], classes, width, depth)
 
 
 # =========================================================================== 3. MTCNN O-Net shape

@@ -60,6 +60,11 @@ FP32_LEGACY = "FP32 export (legacy exporter)"  # onnxruntime's quantizers' input
 TIMED_BATCH = 32  # every file is timed at this batch, and the export's own speed check too
 #: ``--fast``: the digits images (MiniLM: an eighth as many sentences) each file also runs on the emulated AVX2 CPU
 AVX2_FAST_INPUTS = 64
+#: ``--fast``: the models whose file also runs on the emulated AVX2 CPU (a conv net with BatchNorm and residual
+#: adds, the attention model, the LSTM and MiniLM: the three kinds of integer kernel; qemu is a third of the smoke
+#: run's time, and the suite's tests/test_avx2_kernels.py covers the encodings)
+AVX2_FAST_MODELS = ("ResNet (BatchNorm, plain +)", "transformer (nn.MultiheadAttention)", "LSTM (2-layer nn.LSTM)",
+                    "all-MiniLM-L6-v2 (pretrained sentence embeddings, 64 tokens)")
 
 
 # =========================================================================== the models, written as people do
@@ -332,9 +337,9 @@ def run_model(label: str, ctor, shape, epochs: int, fast: bool, d: str, log) -> 
     batches = list(xtr[:256].split(32))
     paths = {FP32: os.path.join(d, "fp32.onnx")}
     export_fp32(model, paths[FP32], xtr[:2])
-    # --fast: the callback's default and the reduce-range recipe (the descriptor path's file adds a minute to the
-    # suite and nothing the other two do not test)
-    for name in ((LQ_RECIPE, LQ_REDUCE) if fast else (LQ_DEFAULT, LQ_REDUCE, LQ_RECIPE)):
+    # --fast: the callback's default recipe only (the file users get; the other recipes' files are each tested by
+    # the suite's own tests, and a smoke run of them here cost the suite a minute per recipe)
+    for name in ((LQ_RECIPE,) if fast else (LQ_DEFAULT, LQ_REDUCE, LQ_RECIPE)):
         p = os.path.join(d, f"lq_{LQ_FILES[name]}.onnx")
         try:
             q = lq_recipe(model, batches) if name == LQ_RECIPE else lq_ptq(model, batches, name == LQ_REDUCE)
@@ -370,9 +375,11 @@ def _on_avx2(row: dict, paths: dict, feeds, quality, fast: bool = False) -> None
     does not, so a file's accuracy can differ there. A note instead where qemu is not installed."""
     from bench import _avx2
 
-    # --fast: the callback's default recipe only (the file users get, u8 x s8 where AVX2 adds pairs in int16); the
-    # full run emulates every file
+    # --fast: the callback's default recipe only (the file users get, u8 x s8 where AVX2 adds pairs in int16), on
+    # the models of AVX2_FAST_MODELS; the full run emulates every file of every model
     names = [n for n in paths if n not in (FP32, FP32_LEGACY) and (n == LQ_RECIPE or not fast)]
+    if fast and row["model"] not in AVX2_FAST_MODELS:
+        return
     if not _avx2.available():
         row["notes"].append("accuracy on AVX2 not measured: qemu-x86_64 is not installed (apt-get install qemu-user)")
         return
@@ -467,7 +474,8 @@ def run_minilm(fast: bool, d: str, log) -> dict:
     paths = {FP32: os.path.join(d, "fp32.onnx"), FP32_LEGACY: os.path.join(d, "fp32_legacy.onnx")}
     M.export_fp32(model, paths[FP32], sentences, dynamic_sequence=True, exporter="dynamo")
     M.export_fp32(model, paths[FP32_LEGACY], sentences, dynamic_sequence=True)  # quantize_static calibrates on it
-    for name, rr in ((LQ_DEFAULT, False), (LQ_REDUCE, True)):
+    # --fast: pytorch-quantization's descriptors (the path its users take) beside the default recipe below
+    for name, rr in ((LQ_DEFAULT, False),) + (() if fast else ((LQ_REDUCE, True),)):
         q = M.SentenceEmbedding(copy.deepcopy(model)).eval()
         quantize_model(q, quant_desc_input=QuantDescriptor(),  # the symmetric grids of this table (see lq_ptq)
                        quant_desc_weight=Int8ReduceRangeConfig().weight.to_descriptor() if rr else None)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import inspect
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -37,6 +38,7 @@ from torch import nn
 
 from lq import auto_calib
 from lq import progress as lq_progress
+from lq.calib import bias_correction as _bias
 from lq.calib._forward import default_forward, model_inputs
 from lq.nn.modules.tensor_quantizer import TensorQuantizer, iter_quantizers, name_quantizers
 
@@ -314,6 +316,7 @@ def calibrate_model(
     strict: bool = True,
     process_group=None,
     progress=None,
+    bias_correction: bool = False,
 ) -> dict:
     """Post-training calibration of every static quantizer in ``model``; returns ``{name: amax}``.
 
@@ -336,10 +339,14 @@ def calibrate_model(
             reported to it; a callable ``(batches, total) -> batches`` wraps the batches (the callback's bar).
         strict: raise when no quantizer saw data (quantizers that saw none while others did are turned off, their
             layers float, with a warning naming them); ``False``: warn and keep those without data dynamic.
+        bias_correction: once amax is set, give each quantized conv / linear a per-channel shift that puts its mean
+            output back on float's, layer by layer, estimated on half of up to 8 calibration batches and kept per
+            layer where it lowers the error on the other half, and at all only where the model's output gets
+            closer to float (:mod:`lq.calib.bias_correction`); the file holds it in the layer's bias.
 
     Returns:
         :class:`CalibrationResult`: ``{name: amax}``, with ``.auto`` (the ``auto`` choice per role and what it
-        gained against ``max``).
+        gained against ``max``) and ``.bias_correction`` (what the correction did, None when off).
 
     Raises:
         CalibrationError: the batches were empty, or no quantizer saw data (named).
@@ -347,17 +354,17 @@ def calibrate_model(
     """
     with lq_progress.choose(None if _wraps_batches(progress) else progress):
         return _calibrate(model, batches, method, weight_method, method_overrides, num_batches, percentile,
-                          num_bins, forward, only_uncalibrated, strict, process_group, progress)
+                          num_bins, forward, only_uncalibrated, strict, process_group, progress, bias_correction)
 
 
 def _calibrate(model, batches, method, weight_method, method_overrides, num_batches, percentile, num_bins, forward,
-               only_uncalibrated, strict, process_group, progress) -> dict:
+               only_uncalibrated, strict, process_group, progress, bias_correction) -> dict:
     quantizers = select_quantizers(model, include_calibrated=not only_uncalibrated)
     if not quantizers:
         return CalibrationResult()
     methods = methods_for(quantizers, method, weight_method, method_overrides)
     auto = "auto" in methods.values()
-    if auto:  # the search runs the model on the first batches again
+    if auto or bias_correction:  # the search and the correction run the model on calibration batches again
         batches = _replayable(batches, num_batches)
     seen = collect(model, batches, quantizers, methods, num_batches=num_batches, forward=forward,
                    num_bins=num_bins, progress=progress, process_group=process_group)
@@ -372,12 +379,35 @@ def _calibrate(model, batches, method, weight_method, method_overrides, num_batc
     quantizers = without_unused_layers(quantizers, strict)
     amax = load_amax(quantizers, methods, percentile=percentile, strict=strict)
     result = CalibrationResult(amax)
+    check = auto_calib.check_batches(batches, seen) if auto or bias_correction else []
     if auto:
-        check = auto_calib.check_batches(batches, seen)
         selection = check[:auto_calib.SELECTION_BATCHES]
         result.auto = auto_calib.choose(model, quantizers, methods, selection, forward, process_group, check=check)
         result.update({name: q.amax for name, q in quantizers if name in amax})
+    if bias_correction:
+        result.bias_correction = correct_biases(model, check, forward, process_group=process_group)
     return result
+
+
+def correct_biases(model: nn.Module, batches: Iterable, forward: Callable[[nn.Module, Any], Any] = default_forward, *,
+                   num_batches: int | None = None, process_group=None):
+    """Bias correction of a calibrated ``model`` (:mod:`lq.calib.bias_correction`) on up to
+    :data:`lq.auto_calib.CHECK_BATCHES` of ``batches`` (the first ``num_batches``), as :func:`calibrate_model`
+    does it: for a step that changes weights after calibration (the block-weight searches), run after it.
+    Returns what was done, or None where a process has no batch (every process then skips it, with a warning)."""
+    if not isinstance(batches, list):
+        n = num_batches if num_batches is not None else len(batches) if hasattr(batches, "__len__") else None
+        batches = auto_calib.check_batches(batches, n) if n is not None else \
+            [b for _, b in zip(range(auto_calib.CHECK_BATCHES), batches)]
+    if global_count(0 if batches else 1, process_group) > 0:
+        import warnings
+
+        warnings.warn("lq calibration: bias correction skipped: a process had no calibration batch to estimate "
+                      "it on", RuntimeWarning, stacklevel=2)
+        return None
+    res = _bias.correct_biases(model, batches, forward, process_group=process_group)
+    logging.getLogger("lq").info("%s", res)
+    return res
 
 
 def without_unused_layers(quantizers, strict: bool):
@@ -401,6 +431,8 @@ def without_unused_layers(quantizers, strict: bool):
 
 class CalibrationResult(dict):
     """``{quantizer name: amax}``; ``.auto`` holds what ``method="auto"`` did (:class:`lq.auto_calib.AutoResult`:
-    the method per layer role and its score against ``max``), None for the other methods."""
+    the method per layer role and its score against ``max``), None for the other methods; ``.bias_correction``
+    what the bias correction did (:class:`lq.calib.bias_correction.BiasCorrectionResult`), None when off."""
 
     auto = None
+    bias_correction = None

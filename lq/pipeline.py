@@ -261,9 +261,7 @@ def _ptq(cfg: JobConfig, model: torch.nn.Module, dm) -> torch.nn.Module:
 
     ptq = copy.deepcopy(model)
     QuantSwap(cfg.quant).swap(ptq)
-    calibrate_model(ptq, dm.train_dataloader(), method=cfg.calib.method, weight_method=cfg.calib.weight_method,
-                    method_overrides=cfg.calib.method_overrides, num_batches=cfg.calib.num_batches,
-                    percentile=cfg.calib.percentile, num_bins=cfg.calib.num_bins)
+    calibrate_model(ptq, dm.train_dataloader(), **cfg.calib.calibrate_kwargs())
     return ptq
 
 

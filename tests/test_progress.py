@@ -65,6 +65,13 @@ def test_num_batches_is_the_total_and_max_is_one_pass():
     assert sum(v for k, _, v in rec.events if k == "advance") == 3
 
 
+def test_bias_correction_reports_its_two_passes():
+    m, _ = _model()
+    rec = progress.Recorder()
+    calibrate_model(m, _batches(6), method="max", progress=rec, bias_correction=True)
+    assert rec.opened() == ["Calibrating", "Bias correction: float pass", "Bias correction: quantized pass"]
+
+
 def test_export_reports_each_stage_and_keeps_their_seconds(tmp_path):
     m, x = _model()
     calibrate_model(m, _batches(2), method="max", progress=False)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lq.config import QATConfig, coerce
+from lq.nn.modules import _bias_shift
 from lq.nn.modules.tensor_quantizer import iter_quantizers
 
 # Hooks on the output side (a user's feature capture, logging, our own distillation hook) must not run for
@@ -223,10 +224,12 @@ class QuantDistill(L.Callback):
 
     # ------------------------------------------------------------------ state
     def _load_teacher(self, weights: dict) -> None:
-        """The saved teacher into the fresh copy. Quantizer state may be on one side only (the copy was taken
-        from an already quantized module, or the other way round): the teacher's quantizers are off anyway."""
+        """The saved teacher into the fresh copy. Quantizer state (and bias correction's shifts) may be on one side
+        only (the copy was taken from an already quantized module, or the other way round): the teacher's
+        quantizers are off anyway, and the shifts with them."""
         missing, unexpected = self.teacher.load_state_dict(weights, strict=False)
-        wrong = [k for k in (*missing, *unexpected) if "_quantizer." not in k]
+        wrong = [k for k in (*missing, *unexpected)
+                 if "_quantizer." not in k and k.rpartition(".")[2] != _bias_shift.BUFFER]  # quantization state
         if wrong:
             raise RuntimeError(f"lq distillation: the saved FP32 teacher does not fit the model: {wrong[:10]} "
                                "(the checkpoint was made with a different model)")

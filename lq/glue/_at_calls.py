@@ -17,6 +17,7 @@ its own copies.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 
@@ -116,6 +117,26 @@ def _end(module: nn.Module, args=None, output=None):
             top.mode.__enter__()
             top.state = _RUNNING
     return None
+
+
+@contextlib.contextmanager
+def outside():
+    """Torch calls made inside are no calls of the lq forward that is running: a forward hook's own arithmetic
+    (calibration's statistics, a correction added to a layer's output) runs after torch's global hooks have put the
+    calling module's mode back, and would otherwise be counted among that module's calls and shift the ordinals its
+    quantizers are placed by."""
+    frames = _calls.frames
+    top = frames[-1] if frames else None
+    if top is None or top.mode is None or top.state != _RUNNING:
+        yield
+        return
+    top.mode.__exit__(None, None, None)
+    top.state = _SUSPENDED
+    try:
+        yield
+    finally:
+        top.mode.__enter__()
+        top.state = _RUNNING
 
 
 def _ensure_hooks() -> None:

@@ -20,6 +20,7 @@ from lq.export._files import short
 from lq.export._ir import ExportError
 from lq.export.prepare import _model_checks
 from lq.export.prepare import _inputs
+from lq.nn.modules import _bias_shift
 
 
 @dataclasses.dataclass
@@ -58,6 +59,7 @@ def prepare(model, sample_input, cfg: ExportConfig) -> Prepared:
     device_type = next((p.device.type for p in model.parameters()), "cpu")
 
     work = copy.deepcopy(model).cpu().float().eval()
+    _bias_shift.fold_into_bias(work)  # bias correction's shifts into the biases: the graph keeps its bias initializers
     for p in work.parameters():
         p.requires_grad_(False)
     ref_out = outputs(work, args)

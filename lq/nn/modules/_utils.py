@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lq import tensor_quant
+from lq.nn.modules import _bias_shift
 from lq.tensor_quant import QuantDescriptor
 
 __all__ = [
@@ -30,6 +31,10 @@ __all__ = [
     "pop_quant_desc_in_kwargs",
     "quant_class",
 ]
+
+
+#: the layers whose output a bias shift corrects (:mod:`lq.nn.modules._bias_shift`)
+_BIASED = (nn.Linear, nn.modules.conv._ConvNd)
 
 
 class DescriptorTypeError(TypeError, ValueError):
@@ -247,6 +252,8 @@ class QuantMixin:
         self._from_float_children(qi, qw)
         self._setup_quantizers(qi, qw)
         self._place_quantizers(_module_device(self))
+        if isinstance(self, _BIASED):
+            _bias_shift.install(self)
 
     def _from_float_children(self, quant_desc_input, quant_desc_weight):
         """Hook for modules whose children must be converted too (attention's out_proj)."""
@@ -261,7 +268,7 @@ class QuantMixin:
         """The float ``torch.nn`` module, sharing this module's parameters and buffers
         (quantizers and their amax are dropped)."""
         float_cls = self._float_module
-        state = _shallow_state(self)
+        state = _bias_shift.without(_shallow_state(self))
         for name in self._quantizer_names:
             state["_modules"].pop(name, None)
         for key in self._extra_attrs():

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lq import tensor_quant
+from lq.nn.modules import _bias_shift
 from lq.nn.modules._utils import QuantMixin, quant_class
 
 __all__ = [
@@ -20,7 +21,8 @@ class _QuantConvMixin(QuantMixin):
 
     def forward(self, input):
         # _conv_forward handles padding_mode (reflect/replicate/circular) like the float module
-        return self._conv_forward(self._input_quantizer(input), self._weight_quantizer(self.weight), self.bias)
+        return self._conv_forward(self._input_quantizer(input), self._weight_quantizer(self.weight),
+                                  _bias_shift.quant_bias(self))
 
 
 class _QuantConvTransposeMixin(QuantMixin):
@@ -39,7 +41,7 @@ class _QuantConvTransposeMixin(QuantMixin):
         return fn(
             self._input_quantizer(input),
             self._weight_quantizer(self.weight),
-            self.bias,
+            _bias_shift.quant_bias(self),
             self.stride,
             self.padding,
             output_padding,

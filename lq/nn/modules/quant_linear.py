@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lq import tensor_quant
+from lq.nn.modules import _bias_shift
 from lq.nn.modules._utils import QuantMixin, quant_class
 
 __all__ = ["QuantLinear", "Linear"]
@@ -19,7 +20,7 @@ class QuantLinear(nn.Linear, QuantMixin):
     default_quant_desc_weight = tensor_quant.QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW
 
     def forward(self, input):
-        return F.linear(self._input_quantizer(input), self._weight_quantizer(self.weight), self.bias)
+        return F.linear(self._input_quantizer(input), self._weight_quantizer(self.weight), _bias_shift.quant_bias(self))
 
 
 Linear = QuantLinear

@@ -1,0 +1,94 @@
+"""The bias shift of a quantized conv / linear: what bias correction adds to its bias while it quantizes.
+
+Bias correction (:mod:`lq.calib.bias_correction`) compensates the mean output shift that quantizing causes, so
+it belongs to the quantized layer, not to the float model: the shift is a buffer of its own, added to the bias
+only while one of the layer's quantizers is on. With every quantizer off the layer computes the user's float
+model exactly (a float region, the speed check's FP32 reference, ``dequantize``), and ``to_float`` drops it. A
+bias-less conv gets the shift as its bias (the BatchNorm after it then folds onto it in the file).
+
+The buffer exists only once a correction was made, so a module that never had one has the state_dict keys of
+the reference toolkit; a checkpoint that holds one loads into a freshly quantized model (the load pre-hook
+creates the buffer first). In the file the shift is part of the layer's bias initializer (the exporters fold
+the constant sum).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["BUFFER", "FOLDED", "bias_shift", "fold_into_bias", "install", "quant_bias", "set_bias_shift", "without"]
+
+BUFFER = "_bias_shift"
+#: set on a module whose shift :func:`fold_into_bias` moved into its bias (an export's copy)
+FOLDED = "_lq_bias_shift_folded"
+
+
+def bias_shift(module: nn.Module) -> torch.Tensor | None:
+    """The shift added to ``module``'s bias while it quantizes (None: none)."""
+    return module._buffers.get(BUFFER)
+
+
+def set_bias_shift(module: nn.Module, shift: torch.Tensor | None) -> None:
+    """Set (a per-output-channel tensor) or remove (None) ``module``'s bias shift."""
+    if shift is None:
+        module._buffers.pop(BUFFER, None)
+        return
+    ref = module.weight
+    module.register_buffer(BUFFER, shift.detach().to(device=ref.device, dtype=ref.dtype).reshape(-1).clone())
+
+
+def _quantizing(module: nn.Module) -> bool:
+    return any(q.is_enabled for _, q in module.iter_quantizers())
+
+
+def quant_bias(module: nn.Module) -> torch.Tensor | None:
+    """The bias ``module``'s forward uses: its own, plus the shift while one of its quantizers is on."""
+    shift = module._buffers.get(BUFFER)
+    if shift is None or not _quantizing(module):
+        return module.bias
+    return shift if module.bias is None else module.bias + shift
+
+
+def fold_into_bias(model: nn.Module) -> int:
+    """In an export's own copy of the model: each quantizing layer's shift added into its bias parameter (made where
+    it had none), the buffer dropped. The traced graph then reads the layer's bias initializer as the uncorrected
+    model's does (the export's passes find their pattern), and the values are the forward's own float32 sum. The
+    layers are marked :data:`FOLDED` (a copy with such a layer's quantizers turned off is no longer this graph
+    with its Q/DQ removed). Returns how many layers were folded."""
+    n = 0
+    for m in model.modules():
+        shift = m._buffers.get(BUFFER)
+        if shift is None:
+            continue
+        if _quantizing(m):
+            with torch.no_grad():
+                value = quant_bias(m).detach().clone()
+            m._parameters["bias"] = nn.Parameter(value, requires_grad=False)
+            m.__dict__[FOLDED] = True
+            n += 1
+        del m._buffers[BUFFER]
+    return n
+
+
+def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """A checkpoint with a shift loads into a module without one yet: make the buffer it fills."""
+    src = state_dict.get(prefix + BUFFER)
+    if isinstance(src, torch.Tensor) and BUFFER not in module._buffers:
+        module.register_buffer(BUFFER, torch.zeros(src.shape, dtype=module.weight.dtype, device=module.weight.device))
+
+
+def install(module: nn.Module) -> None:
+    """Let ``module`` load a checkpoint's shift (once per module)."""
+    if not any(getattr(h, "hook", None) is _load_pre_hook for h in module._load_state_dict_pre_hooks.values()):
+        module.register_load_state_dict_pre_hook(_load_pre_hook)
+
+
+def without(state: dict) -> dict:
+    """A module ``__dict__`` copy (``to_float``'s) without the shift and its load hook."""
+    state["_buffers"].pop(BUFFER, None)
+    hooks = state.get("_load_state_dict_pre_hooks")
+    if hooks:
+        state["_load_state_dict_pre_hooks"] = type(hooks)(
+            (k, h) for k, h in hooks.items() if getattr(h, "hook", None) is not _load_pre_hook)
+    return state
