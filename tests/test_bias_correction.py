@@ -367,3 +367,27 @@ def test_the_hooks_arithmetic_is_no_call_of_the_forward():
     ref = [before.conv1, before.conv2, before.conv3, before.fc]
     for got, want in zip(_site_means(q, layers, x, True), _site_means(before, ref, x, False)):
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_the_callback_corrects_when_the_config_says_so(tmp_path):
+    """``QuantCallback(calib=CalibConfig(bias_correction=True))``: the calibration it runs sets the shifts (and says
+    what it did); the checkpoint's state_dict holds them. Off by default."""
+    import lightning as L
+
+    import lq
+    from lq.config import ExportConfig
+    from lq.zoo import DigitsDataModule, SmallCNN
+
+    results = {}
+    for on in (False, True):
+        L.seed_everything(0)
+        model = SmallCNN(channels=8, max_epochs_hint=1)
+        cb = lq.QuantCallback(calib=CalibConfig(method="max", num_batches=4, bias_correction=on),
+                              export=ExportConfig(enabled=False), verbose=False)
+        L.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+                  accelerator="cpu", callbacks=[cb]).fit(model, datamodule=DigitsDataModule(batch_size=32))
+        results[on] = (cb.calibrate.last_amax.bias_correction, [k for k in model.state_dict() if shift.BUFFER in k])
+    assert results[False] == (None, [])
+    res, keys = results[True]
+    assert res is not None and res.rows > 0 and len(keys) == len(res.corrected) >= 1, (res, keys)
