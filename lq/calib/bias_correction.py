@@ -86,7 +86,6 @@ class _Site:
 
     name: str
     layer: nn.Module
-    axis: int
     target: torch.Tensor | None = None
     shift: torch.Tensor | None = None
 
@@ -202,31 +201,12 @@ def _float_pass(model, candidates, batch, forward, result: BiasCorrectionResult,
     """Float model on the estimation batch: each candidate's mean output and how often it is called; returns
     the sites, each with its target."""
     layers = [m for _, m in candidates]
-    sums: list[torch.Tensor | None] = [None] * len(layers)
-    counts = torch.zeros(len(layers), dtype=torch.float64)
-    calls = torch.zeros(len(layers), dtype=torch.int64)
-
-    def measure(i):
-        def hook(module, args, output):
-            if not isinstance(output, torch.Tensor) or output.dim() == 0:
-                return
-            with outside():
-                s, n = _channel_sums(output, _channel_axis(module))
-                sums[i] = s if sums[i] is None else sums[i] + s
-                counts[i] += n
-                calls[i] += 1
-        return hook
-
-    handles = [m.register_forward_hook(measure(i), prepend=True) for i, m in enumerate(layers)]
-    try:
-        with torch.no_grad(), quantization_disabled(model), lq_progress.step("Bias correction: float pass", 1) as s:
-            forward(model, batch)
-            s.advance()
-    finally:
-        for h in handles:
-            h.remove()
-    means = _reduced_means(sums, counts, [_channels(m) for m in layers], process_group)
-    calls = _all_reduce(calls, process_group, torch.distributed.ReduceOp.MAX if _distributed() else None)
+    means: list = []
+    with torch.no_grad(), quantization_disabled(model), _measuring(layers, means, process_group) as seen, \
+            lq_progress.step("Bias correction: float pass", 1) as shown:
+        forward(model, batch)
+        shown.advance()
+    calls = _all_reduce(seen.calls, process_group, torch.distributed.ReduceOp.MAX if _distributed() else None)
     sites = []
     for i, (name, m) in enumerate(candidates):
         if calls[i] == 0:
@@ -234,7 +214,7 @@ def _float_pass(model, candidates, batch, forward, result: BiasCorrectionResult,
         elif calls[i] > 1:
             result.skipped[name] = f"called {int(calls[i])} times per forward: one bias serves several inputs"
         else:
-            sites.append(_Site(name, m, _channel_axis(m), target=means[i]))
+            sites.append(_Site(name, m, target=means[i]))
     return sites
 
 
@@ -250,7 +230,8 @@ def _corrected_pass(model, sites: list[_Site], batch, forward, process_group) ->
     def correct(site: _Site):
         def hook(module, args, output):
             with outside():
-                s, n = _channel_sums(output, site.axis)
+                axis = _channel_axis(module)
+                s, n = _channel_sums(output, axis)
                 s = _all_reduce(torch.cat([s, torch.tensor([n], dtype=torch.float64)]), process_group)
                 step = site.target - s[:-1] / s[-1]
                 if not torch.isfinite(step).all():
@@ -258,7 +239,7 @@ def _corrected_pass(model, sites: list[_Site], batch, forward, process_group) ->
                 site.shift = step
                 _bias_shift.set_bias_shift(module, step)
                 shape = [1] * output.dim()
-                shape[site.axis] = -1
+                shape[axis] = -1
                 return output + step.to(output).reshape(shape)
         return hook
 
@@ -278,15 +259,15 @@ def _judge(model, sites: list[_Site], batches: Sequence, forward, result, proces
     as ``auto`` judges)."""
     fp_means: list = []
     try:
-        with _measuring(sites, fp_means, process_group):
+        with _measuring([s.layer for s in sites], fp_means, process_group):
             metric = fidelity_metric(model, batches, forward=forward, kind="r2")
     except Exception:  # noqa: BLE001 - an output with nothing per sample to compare: the per-layer verdict alone
         # (an error of the model itself comes back from the float pass below)
         metric = None
-        with quantization_disabled(model), _measuring(sites, fp_means, process_group):
+        with quantization_disabled(model), _measuring([s.layer for s in sites], fp_means, process_group):
             _run(model, batches, forward)
     q_means: list = []
-    with _measuring(sites, q_means, process_group):
+    with _measuring([s.layer for s in sites], q_means, process_group):
         score = _score(metric, model, batches, forward, process_group)
     reverted = False
     for s, t, g in zip(sites, fp_means, q_means):
@@ -341,32 +322,36 @@ def _run(model, batches, forward) -> None:
 
 
 class _measuring:
-    """Context manager: per-site mean outputs over the forwards run inside it, appended to ``out`` on exit
-    (reduced over the ranks)."""
+    """Context manager: the per-channel mean output of each of ``layers`` over the forwards run inside it, appended
+    to ``out`` on exit (reduced over the ranks; None for a layer no rank saw), and ``calls``: how often each ran."""
 
-    def __init__(self, sites, out: list, process_group):
-        self.sites, self.out, self.group = sites, out, process_group
-        self.sums: list = [None] * len(sites)
-        self.counts = torch.zeros(len(sites), dtype=torch.float64)
+    def __init__(self, layers, out: list, process_group):
+        self.layers, self.out, self.group = list(layers), out, process_group
+        self.sums: list = [None] * len(self.layers)
+        self.counts = torch.zeros(len(self.layers), dtype=torch.float64)
+        self.calls = torch.zeros(len(self.layers), dtype=torch.int64)
 
     def _hook(self, i):
         def hook(module, args, output):
+            if not isinstance(output, torch.Tensor) or output.dim() == 0:
+                return
             with outside():
-                s, n = _channel_sums(output, self.sites[i].axis)
+                s, n = _channel_sums(output, _channel_axis(module))
                 self.sums[i] = s if self.sums[i] is None else self.sums[i] + s
                 self.counts[i] += n
+                self.calls[i] += 1
         return hook
 
     def __enter__(self):
-        self.handles = [s.layer.register_forward_hook(self._hook(i), prepend=True) for i, s in enumerate(self.sites)]
+        # first among the layer's hooks: its output before an output quantizer's hook rounds it
+        self.handles = [m.register_forward_hook(self._hook(i), prepend=True) for i, m in enumerate(self.layers)]
         return self
 
     def __exit__(self, *exc):
         for h in self.handles:
             h.remove()
         if exc[0] is None:
-            self.out.extend(_reduced_means(self.sums, self.counts, [_channels(s.layer) for s in self.sites],
-                                           self.group))
+            self.out.extend(_reduced_means(self.sums, self.counts, [_channels(m) for m in self.layers], self.group))
         return False
 
 
