@@ -33,7 +33,8 @@ For each model: FP32 training (seeded), then the columns of :mod:`bench.ordinary
 current exporter's, the baseline of every speed-up; the legacy exporter's too, timed beside it); lq's
 default path (``quantize_model`` + calibration with no method, i.e. ``auto``), exported by ``lq.export.export_onnx``
 with the default recipe, ``int8_reduce_range`` and ``int8_onnxruntime`` (the targets judge the last); onnxruntime's ``quantize_static`` (QDQ, per-channel, after
-``quant_pre_process``); speed-ups over the FP32 export at batch 1, 8 and 32 (1 thread, files timed in turns);
+``quant_pre_process``); NNCF's ``nncf.quantize`` with its defaults (its ONNX backend, fast bias correction on) on the
+same FP32 file and calibration images, run in onnxruntime (issue 40's accuracy peer); speed-ups over the FP32 export at batch 1, 8 and 32 (1 thread, files timed in turns);
 accuracy / IoU of every file in onnxruntime; integer conv/gemm counts (lq: its export report, every file: the graph
 onnxruntime runs); whether lq's export verified (the error text when not: the file is then exported again with
 ``verify=False`` so that its speed and accuracy are still measured); ``quantize_static`` is given the legacy
@@ -64,7 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench import _report
-from bench.onnx_export import ort_int8_ops, ort_quantize_static, ort_times
+from bench.onnx_export import nncf_quantize, ort_int8_ops, ort_quantize_static, ort_times
 from bench.ordinary import ORT_QS, _count_kernels
 
 torch.set_flush_denormal(True)
@@ -74,7 +75,8 @@ FP32_LEGACY = "FP32 export (legacy exporter)"
 LQ_DEFAULT = "lq int8_per_channel"
 LQ_REDUCE = "lq int8_reduce_range"
 LQ_ORT = "lq int8_onnxruntime (default)"
-CONTENDERS = (LQ_DEFAULT, LQ_REDUCE, LQ_ORT, ORT_QS)
+NNCF = "NNCF quantize (ONNX backend)"
+CONTENDERS = (LQ_DEFAULT, LQ_REDUCE, LQ_ORT, ORT_QS, NNCF)
 #: lq's files: (column, recipe applied with QuantSwap as the callback does); the targets judge LQ_ORT, the recipe
 #: for onnxruntime (what QuantCallback(), quantize_model(model) and lq-train use when given none)
 LQ_RECIPES = ((LQ_DEFAULT, "int8_per_channel"), (LQ_REDUCE, "int8_reduce_range"), (LQ_ORT, "int8_onnxruntime"))
@@ -634,6 +636,15 @@ def run_model(spec: Spec, epochs: int, fast: bool, d: str) -> dict:
         row["quality"][ORT_QS] = ort_quality(spec, p, xte, yte)
     except Exception as e:  # noqa: BLE001
         row["notes"].append(f"{ORT_QS} failed: {_first_line(e)}")
+    try:  # NNCF's own PTQ, its defaults, on the same FP32 file and calibration images
+        p = os.path.join(d, "nncf.onnx")
+        t = time.perf_counter()
+        nncf_quantize(paths[FP32_LEGACY], p, batches)
+        row["nncf_s"] = time.perf_counter() - t
+        paths[NNCF] = p
+        row["quality"][NNCF] = ort_quality(spec, p, xte, yte)
+    except Exception as e:  # noqa: BLE001
+        row["notes"].append(f"{NNCF} failed: {_first_line(e)}")
     row["ort_kernels"] = {k: conv_gemm_counts(p) for k, p in paths.items()}
     _time(row, paths, xte, fast)
     return row
@@ -721,7 +732,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
             out.append((f"{m}: lq's int8_onnxruntime path gives a file", _verified(r, JUDGED), False))
             continue
         for b, sp in r["speedup"].items():
-            dflt, rr, d, qs = (sp.get(k, {}).get("median") for k in CONTENDERS)
+            dflt, rr, d, qs, _ = (sp.get(k, {}).get("median") for k in CONTENDERS)
             others = ", ".join(f"{n} {v:.2f}x" for n, v in (("int8_per_channel", dflt), ("int8_reduce_range", rr)) if v)
             out.append((f"{m}: lq int8_onnxruntime >= 1.0x FP32 at batch {b}", f"{d:.2f}x ({others})", d >= 1.0))
             if qs:
@@ -743,6 +754,10 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
         tol = 0.005
         out.append((f"{m}: {r['metric']} within 0.5 point of FP32 (or >= quantize_static's)",
                     f"{_q(r, d)} vs FP32 {_q(r, fp)}, qs {_q(r, qs)}", d >= fp - tol or (qs is not None and d >= qs)))
+        nncf = r["quality"].get(NNCF)
+        if nncf is not None:  # issue 40: post-training accuracy no worse than NNCF's own PTQ file's, same runtime
+            out.append((f"{m}: {r['metric']} >= NNCF's minus 0.3 point (both files in onnxruntime)",
+                        f"{_q(r, d)} vs NNCF {_q(r, nncf)}", d >= nncf - 0.003))
         out.append((f"{m}: lq's export verifies", _verified(r, JUDGED), r["verified"][JUDGED]["verified"]))
     return out
 
@@ -787,7 +802,7 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: 
              "with no method (`auto`); int8_per_channel (pytorch-quantization's grids), int8_reduce_range = the same "
              "with those recipes (applied as `QuantCallback(quant=...)` does); qs = onnxruntime's `quantize_static` (QDQ, per-channel, u8s8, after `quant_pre_process`) "
              "on the legacy exporter's FP32 file (the current exporter's is refused by it on some models), same 256 "
-             "calibration images. Speed-up = time of the user's plain FP32 export (`torch.onnx.export`'s default, "
+             "calibration images; NNCF = `nncf.quantize` with its defaults (ONNX backend) on that file and those images. Speed-up = time of the user's plain FP32 export (`torch.onnx.export`'s default, "
              "current exporter, as lq's own speed check makes it) / file time in onnxruntime, 1 intra-op thread, "
              "files timed in turns, `median [p25-p75]` of paired per-round ratios. "
              "Accuracy / IoU of every file in onnxruntime on the test set. Integer conv/gemm = integer kernels / all "
@@ -806,7 +821,7 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: 
             sp = [r["speedup"][str(b)].get(c) for b in bs]
             line.append("failed" if sp[0] is None else
                         " / ".join(f"{s['median']:.2f}x" for s in sp) + f", {_q(r, r['quality'].get(c))}")
-        line.append(", ".join(f"{short} {_ort_counts(r, c)}" for short, c in zip(("lq", "rr", "ort", "qs"),
+        line.append(", ".join(f"{short} {_ort_counts(r, c)}" for short, c in zip(("lq", "rr", "ort", "qs", "nncf"),
                                                                                    CONTENDERS, strict=True)))
         line.append("; ".join("yes" if r["verified"].get(c, {}).get("verified") else "**no**" for c, _ in LQ_RECIPES))
         body.append(line)
@@ -832,7 +847,7 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: 
                 continue
             sp = [("1.00x" if c == FP32 else _report.fmt_ratio(r["speedup"][str(b)][c])) for b in bs]
             body.append([r["model"], c, *sp, _q(r, r["quality"][c]),
-                         _q(r, r["quality_torch"].get(c if c != FP32 else "FP32")) if c not in (ORT_QS, FP32_LEGACY)
+                         _q(r, r["quality_torch"].get(c if c != FP32 else "FP32")) if c not in (ORT_QS, NNCF, FP32_LEGACY)
                          else "-",
                          _ort_counts(r, c) + (f" (lq report {_lq_counts(r, c)})" if c in r.get("kernels", {}) else ""),
                          _verified(r, c) if c in dict(LQ_RECIPES) else "-"])

@@ -64,6 +64,15 @@ def read_checkpoint(checkpoint_path, map_location: Any = "cpu", trusted: bool = 
     return ckpt
 
 
+def save_with_weights(source_path, state_dict: dict, dest_path) -> None:
+    """A copy of the checkpoint at ``source_path`` (read ``weights_only``) whose model weights are ``state_dict``:
+    how the post-training model is saved beside the QAT one, with the same ``lq`` entry and hyperparameters, so
+    :func:`load_quantized` reads it the same way."""
+    ckpt = read_checkpoint(source_path)
+    ckpt["state_dict"] = {k: v.detach().cpu() for k, v in state_dict.items()}
+    torch.save(ckpt, dest_path)
+
+
 def _looks_like_torch_file(path: str) -> bool:
     """torch.save writes a zip archive (its first bytes ``PK``; a truncated one too) or, in the legacy format, a
     pickle (protocol opcode 0x80 first)."""

@@ -27,7 +27,7 @@ BLOCK_TYPES = ("static", "dynamic")
 CALIB_METHODS = ("auto", "max", "entropy", "percentile", "mse")
 CALIB_DATALOADERS = ("train", "val")
 BLOCK_METHODS = ("max", "mse", "awq", "gptq")
-LR_POLICIES = ("none", "cosine")
+LR_POLICIES = ("auto", "none", "cosine")
 EXPORTERS = ("dynamo", "legacy")
 EXPORT_TARGETS = ("onnxruntime", "tensorrt")
 WEIGHT_FORMATS = ("int8", "qdq")
@@ -400,8 +400,12 @@ class QATConfig:
         learn_amax: make input amax a learned parameter (PACT-style clip); otherwise amax is frozen.
         freeze_bn_epoch: from this epoch on, BatchNorm uses and keeps its running statistics.
         freeze_amax_epoch: from this epoch on, learned amax stops changing.
-        lr_policy: ``none`` (keep the module's schedule) or ``cosine`` (the reference toolkit's recipe:
-            start at ``lr_start_fraction`` of the configured LR, cosine-anneal to ``lr_end_fraction`` of that).
+        lr_policy: ``auto``: ``cosine`` when QAT fine-tunes a model calibrated before its first step (the
+            callback's default path: the weights are trained, and the module's own LR was chosen to train them,
+            not to fine-tune), ``none`` when the fit starts with uncalibrated quantizers (quantizers trained from
+            scratch, ``calib.enabled=false``); ``none`` (keep the module's schedule) or ``cosine`` (the reference
+            toolkit's recipe: start at ``lr_start_fraction`` of the configured LR, cosine-anneal to
+            ``lr_end_fraction`` of that). A resumed fit keeps the policy it started with.
         lr_start_fraction: fraction of the original LR that QAT starts at (default 1%).
         lr_end_fraction: fraction of the starting QAT LR that it ends at (default 1%).
         distill_weight: quantization-aware distillation: the share of the gradient at the distilled output
@@ -416,7 +420,7 @@ class QATConfig:
     learn_amax: bool = False
     freeze_bn_epoch: Optional[int] = None
     freeze_amax_epoch: Optional[int] = None
-    lr_policy: str = "none"
+    lr_policy: str = "auto"
     lr_start_fraction: float = 0.01
     lr_end_fraction: float = 0.01
     distill_weight: float = 0.0
@@ -448,6 +452,11 @@ class ExportConfig:
 
     Attributes:
         enabled: export at ``on_fit_end`` (rank zero; the callback's switch, ignored by ``export_onnx``).
+        export_best: after QAT, score the post-training (calibrated, before the first step) and the QAT model on
+            the validation data (top-1 accuracy of ``(inputs, class targets)`` batches) and export whichever is
+            more accurate, saying so; a QAT model that lost to PTQ keeps its weights in the module and its
+            checkpoint, and the PTQ one is saved beside it (``ptq.ckpt``). False: always export the QAT model.
+            Ignored by ``export_onnx``.
         path: output file, ending in ``.onnx``; in the callback a relative path goes under the trainer's
             ``default_root_dir``.
         opset: ONNX opset, 13..23 (>= 19 for FP8, >= 21 for blocks); None: the one the exporter writes (18 for
@@ -482,6 +491,7 @@ class ExportConfig:
     """
 
     enabled: bool = True
+    export_best: bool = True
     path: str = "model_int8.onnx"
     opset: Optional[int] = None
     exporter: str = "dynamo"
@@ -506,6 +516,8 @@ class ExportConfig:
 
     def __post_init__(self):
         owner = type(self).__name__
+        if not isinstance(self.export_best, bool):
+            raise ValueError(f"{owner}.export_best={self.export_best!r} is not allowed: expected true or false")
         _positive(owner, "fallback_seconds", self.fallback_seconds, strict=False)
         if self.speed_batch is not None and (isinstance(self.speed_batch, bool) or not isinstance(self.speed_batch, int)
                                              or self.speed_batch < 1):
@@ -600,9 +612,6 @@ class JobConfig:
         fp32_epochs: epochs of floating point training before quantization (0: use the model as built).
         qat_epochs: epochs of quantization-aware fine-tuning (0: PTQ only).
         output_dir: where checkpoints, the ONNX files and the results table go.
-        export_best: export whichever of the PTQ and QAT models is more accurate on the validation data (the
-            test data when the DataModule has no val loader), so a QAT run that made the model worse is
-            reported and not exported; False: always export the QAT model.
     """
 
     # the int8_onnxruntime recipe's values on the base class: Hydra types the node by its default, and any
@@ -619,7 +628,6 @@ class JobConfig:
     fp32_epochs: int = 8
     qat_epochs: int = 3
     output_dir: str = "outputs"
-    export_best: bool = True
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -631,8 +639,6 @@ class JobConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{owner}.{name}={v!r} is not allowed: expected an int >= 0")
-        if not isinstance(self.export_best, bool):
-            raise ValueError(f"{owner}.export_best={self.export_best!r} is not allowed: expected true or false")
         for name in ("model", "data"):
             if "_target_" not in getattr(self, name):
                 raise ValueError(f"{owner}.{name} needs a _target_ (the class to build), got {getattr(self, name)!r}")

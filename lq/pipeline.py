@@ -296,18 +296,18 @@ def _choose(cfg: JobConfig, res: JobResult, ptq, qat, dm, split: Optional[str], 
         return "qat"
     import warnings
 
-    ckpt = torch.load(qat_ckpt, map_location="cpu", weights_only=True)
-    ckpt["state_dict"] = ptq.state_dict()
-    torch.save(ckpt, out / "ptq.ckpt")  # lq.load_quantized reads it like the QAT checkpoint
+    from lq.checkpoint import save_with_weights
+
+    save_with_weights(qat_ckpt, ptq.state_dict(), out / "ptq.ckpt")  # lq.load_quantized reads it like the QAT one
     what = (f"QAT ended less accurate than PTQ on the {split} data ({100 * q:.2f}% vs {100 * p:.2f}%, "
             f"{100 * (q - p):+.2f} points)")
-    if cfg.export_best:
-        msg = f"{what}: the PTQ model is exported (its checkpoint: {out / 'ptq.ckpt'}; export_best=false keeps QAT)"
+    if cfg.export.export_best:
+        msg = f"{what}: the PTQ model is exported (its checkpoint: {out / 'ptq.ckpt'}; export.export_best=false keeps QAT)"
     else:
-        msg = f"{what}; export_best=false, so the QAT model is exported anyway"
+        msg = f"{what}; export.export_best=false, so the QAT model is exported anyway"
     res.notes.append(msg)
     warnings.warn(f"lq-train: {msg}", stacklevel=2)
-    return "ptq" if cfg.export_best else "qat"
+    return "ptq" if cfg.export.export_best else "qat"
 
 
 def _onnxruntime(res: JobResult, model, dm, trainer, int8_path: str, out: Path) -> None:

@@ -43,7 +43,7 @@ def test_every_model_has_its_row(run):
     for r in res["rows"]:
         name = r["model"]
         assert r["metric"] in ("accuracy", "IoU"), name
-        # every file was made and measured: FP32, lq's two recipes, onnxruntime's quantize_static
+        # every file was made and measured: FP32, lq's recipes, onnxruntime's quantize_static, NNCF's quantize
         assert set(r["quality"]) == {L.FP32, L.FP32_LEGACY, *L.CONTENDERS}, (name, r["quality"], r["verified"],
                                                                               r["notes"])
         for k, v in [*r["quality"].items(), *r["quality_torch"].items()]:
@@ -66,6 +66,8 @@ def test_every_model_has_its_row(run):
         for f in (L.FP32, L.FP32_LEGACY):
             assert k[f]["integer"] == 0 and k[f]["float"] >= 1, (name, f, k[f])
         assert k[L.ORT_QS]["integer"] >= 1, (name, k[L.ORT_QS])
+        # NNCF's own PTQ file (issue 40's accuracy peer) is quantized (made for OpenVINO: onnxruntime may run it float)
+        assert any(op.startswith(("QuantizeLinear", "QLinear")) for op in k[L.NNCF]["ops"]), (name, k[L.NNCF])
         for c in L.CONTENDERS:
             assert 0 <= k[c]["integer"] and k[c]["integer"] + k[c]["float"] >= 1, (name, c, k[c])
         for c, _ in L.LQ_RECIPES:

@@ -17,7 +17,7 @@ from lq.tensor_quant import QuantDescriptor
         (lambda: C.CalibConfig(num_batches=0), "CalibConfig.num_batches"),
         (lambda: C.CalibConfig(percentile=120), "CalibConfig.percentile"),
         (lambda: C.CalibConfig(dataloader="test"), "['train', 'val']"),
-        (lambda: C.QATConfig(lr_policy="step"), "['none', 'cosine']"),
+        (lambda: C.QATConfig(lr_policy="step"), "['auto', 'none', 'cosine']"),
         (lambda: C.QATConfig(lr_start_fraction=2.0), "lr_start_fraction"),
         (lambda: C.QATConfig(freeze_bn_epoch=-1), "freeze_bn_epoch"),
         (lambda: C.ExportConfig(exporter="tf"), "['dynamo', 'legacy']"),

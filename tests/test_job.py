@@ -108,8 +108,8 @@ def test_a_qat_that_makes_the_model_worse_is_said_and_not_exported(tmp_path, exp
     with pytest.warns(UserWarning, match="QAT ended less accurate than PTQ on the val data"):
         # the file must compute the model the job chose, every quantizer kept (no measured fallback: the tiny MLP
         # can be slower than FP32 in onnxruntime, and the fallback would then put layers back in float)
-        res = run_job(_job(tmp_path, TrainVal, sabotage_qat=True, export_best=export_best,
-                           export=ExportConfig(fallback_seconds=0)), print_table=False)
+        res = run_job(_job(tmp_path, TrainVal, sabotage_qat=True, qat={"lr_policy": "none"},  # at the module's LR
+                           export=ExportConfig(fallback_seconds=0, export_best=export_best)), print_table=False)
     assert res.selection["qat"] < res.selection["ptq"] - 0.05, res.selection
     assert res.exported == ("ptq" if export_best else "qat")
     assert any("QAT ended less accurate than PTQ" in n for n in res.notes)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import lightning as L
 import torch
@@ -37,12 +38,17 @@ class QuantExport(L.Callback):
         export: :class:`lq.config.ExportConfig`.
         sample_input: ``(trainer, pl_module) -> tensor`` giving the example input;
             default: the first batch of the val (else train) dataloader.
+        select: ``(trainer, pl_module, checkpoint path) -> context manager`` giving the module to export, entered
+            on every rank after the weights are saved (:meth:`lq.callbacks.export_best.ExportBest.selected`);
+            default: ``pl_module``.
     """
 
     def __init__(self, export: Optional[ExportConfig] = None,
-                 sample_input: Optional[Callable[[L.Trainer, L.LightningModule], Any]] = None) -> None:
+                 sample_input: Optional[Callable[[L.Trainer, L.LightningModule], Any]] = None,
+                 select: Optional[Callable[..., ContextManager[L.LightningModule]]] = None) -> None:
         self.export = coerce(export, ExportConfig, "QuantExport.export")
         self.sample_input = sample_input
+        self.select = select
         self.result: Any = None
         self.path: Optional[str] = None
 
@@ -83,9 +89,10 @@ class QuantExport(L.Callback):
         if not self.export.enabled:
             return
         ckpt = self._safe_checkpoint(trainer)  # collective under DDP: every rank calls it
-        if trainer.is_global_zero:
-            self.result = self.run(trainer, pl_module, ckpt)
-        trainer.strategy.barrier("lq_export")
+        with (self.select(trainer, pl_module, ckpt) if self.select else contextlib.nullcontext(pl_module)) as module:
+            if trainer.is_global_zero:
+                self.result = self.run(trainer, module, ckpt)
+            trainer.strategy.barrier("lq_export")
 
     def run(self, trainer: L.Trainer, pl_module: L.LightningModule, ckpt: Optional[str] = None):
         from lq import progress

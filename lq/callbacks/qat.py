@@ -23,6 +23,13 @@ def _due(rule: EpochRule, epoch: int) -> bool:
     return epoch >= rule
 
 
+def _calibrated(module: nn.Module) -> bool:
+    """Every enabled static quantizer that does not learn its amax holds one (and there is one): the model was
+    calibrated before this fit, so QAT fine-tunes it."""
+    fixed = [q for _, q in iter_quantizers(module) if q.is_enabled and not q.dynamic and not q.learn_amax]
+    return bool(fixed) and all(q.amax is not None for q in fixed)
+
+
 def _bn_modules(module: nn.Module):
     return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
@@ -41,6 +48,13 @@ class QATSchedule(L.Callback):
       that over the remaining steps of the fit. It sets the LR directly at each
       step, so it works with any optimizer the module configures (and overrides
       the module's own schedulers while active).
+    * ``lr_policy="auto"`` (the default) takes that recipe when the fit starts
+      from a calibrated model (every static, not learned, quantizer holds an
+      amax at the first step: QAT fine-tunes trained weights, and the module's
+      LR was chosen to train them from scratch: at full LR QAT undoes what
+      training did), and the module's own schedule otherwise (quantizers
+      trained from scratch). The choice is said once and kept by checkpoints,
+      so a resumed fit goes on with it.
     * Logs ``lq/amax_drift/<quantizer>``: relative change of every static amax
       since training started.
     * A step whose gradients are not finite (a NaN/Inf batch, an overflow) is
@@ -64,6 +78,7 @@ class QATSchedule(L.Callback):
             freeze_amax_epoch if freeze_amax_epoch is not None else self.qat.freeze_amax_epoch
         )
         self.base_lrs: Optional[list] = None
+        self.policy: Optional[str] = None  # the LR policy this fit runs (``auto`` resolved at its first step)
         self.amax_start: dict = {}
         self._bn_frozen = False
         self._amax_frozen = False
@@ -74,7 +89,9 @@ class QATSchedule(L.Callback):
             for _, q in iter_quantizers(pl_module):
                 q.disable_quant()
             return
-        if self.qat.lr_policy == "cosine":
+        if self.policy is None:
+            self.policy = self.resolve_policy(trainer, pl_module)
+        if self.policy == "cosine":
             if self.base_lrs is None:
                 self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers]
             # The recipe owns the LR while it runs: the module's own schedulers are set aside
@@ -83,6 +100,24 @@ class QATSchedule(L.Callback):
             trainer.strategy.lr_scheduler_configs = []
         if not self.amax_start:
             self.amax_start = {n: q.amax.detach().clone() for n, q in iter_quantizers(pl_module) if q.amax is not None}
+
+    def resolve_policy(self, trainer: L.Trainer, pl_module: L.LightningModule) -> str:
+        """``lr_policy``, with ``auto`` decided (see the class docstring) and said once."""
+        if self.qat.lr_policy != "auto":
+            return self.qat.lr_policy
+        if self.base_lrs is not None:  # a checkpoint of a fit that ran the recipe, written before policies were kept
+            return "cosine"
+        fine_tuning = trainer.global_step == 0 and _calibrated(pl_module)
+        from lightning.pytorch.utilities import rank_zero_info
+
+        if fine_tuning:
+            rank_zero_info(
+                f"lq: QAT fine-tunes the calibrated model: its LR starts at {self.qat.lr_start_fraction:g} of the "
+                "configured one and cosine-anneals (qat.lr_policy=auto; 'none' keeps the module's own schedule)")
+            return "cosine"
+        rank_zero_info("lq: QAT starts from uncalibrated quantizers, so it trains with the module's own LR schedule "
+                       "(qat.lr_policy=auto; 'cosine' fine-tunes at a fraction of it)")
+        return "none"
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         epoch = trainer.current_epoch
@@ -188,6 +223,7 @@ class QATSchedule(L.Callback):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {
+            "policy": self.policy,
             "base_lrs": self.base_lrs,
             "amax_start": {k: v.cpu() for k, v in self.amax_start.items()},
             "amax_frozen": self._amax_frozen,
@@ -195,6 +231,7 @@ class QATSchedule(L.Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.base_lrs = state_dict.get("base_lrs")
+        self.policy = state_dict.get("policy")
         self.amax_start = dict(state_dict.get("amax_start") or {})
         self._amax_frozen = bool(state_dict.get("amax_frozen", False))
 

@@ -12,6 +12,7 @@ from lq import report
 from lq.callbacks.calibrate import QuantCalibrate
 from lq.callbacks.distill import QuantDistill
 from lq.callbacks.export import QuantExport
+from lq.callbacks.export_best import ExportBest
 from lq.callbacks.qat import QATSchedule
 from lq.callbacks.swap import QuantSwap
 from lq.config import CalibConfig, ExportConfig, QATConfig, QuantConfig, coerce
@@ -33,8 +34,11 @@ class QuantCallback(L.Callback):
     2. :class:`QuantCalibrate` at ``on_train_start`` (skipped when amax was
        restored), or on the first ``trainer.validate`` for PTQ alone;
     3. :class:`QATSchedule` during training (frozen amax by default, optional
-       learned amax, BN/amax freezing, the cosine LR recipe);
-    4. :class:`QuantExport` at ``on_fit_end`` on rank zero.
+       learned amax, BN/amax freezing, the fine-tuning LR recipe when QAT
+       starts from the calibrated model);
+    4. :class:`QuantExport` at ``on_fit_end`` on rank zero, of the better of
+       the post-training and the QAT model on the validation data
+       (:class:`ExportBest`, ``export.export_best``).
 
     Each part is a callback of its own and can be used alone. Checkpoints get
     an ``"lq"`` entry with the configs, so :func:`lq.load_quantized` rebuilds
@@ -74,12 +78,13 @@ class QuantCallback(L.Callback):
         self.swap = QuantSwap(self.quant, learn_amax=self.qat.learn_amax)
         self.calibrate = QuantCalibrate(self.calib)
         self.schedule = QATSchedule(self.qat)
-        self.exporter = QuantExport(self.export)
+        self.best = ExportBest(self.export.enabled and self.export.export_best and self.qat.enabled)
+        self.exporter = QuantExport(self.export, select=self.best.selected)
         self._reported = False
 
     @property
     def parts(self) -> tuple[L.Callback, ...]:
-        return (self.distill, self.swap, self.calibrate, self.schedule, self.exporter)
+        return (self.distill, self.swap, self.calibrate, self.schedule, self.best, self.exporter)
 
     @property
     def state_key(self) -> str:
