@@ -178,6 +178,21 @@ _NOISY_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "lq", "t
                   "torch._dynamo", "torch._inductor")
 
 
+def models_parser(doc: str, fast_help: str, models: int, threads: int) -> "argparse.ArgumentParser":
+    """The options every per-model bench takes (``--fast``, ``--out``, ``--models``, ``--threads``); the bench adds
+    its own."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fast", action="store_true", help=fast_help)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output folder (default docs/results, or outputs/bench_fast with --fast)")
+    ap.add_argument("--models", nargs="*", type=int, default=None, choices=range(models),
+                    help="indices of the models (default all; --fast: the O-Net shape)")
+    ap.add_argument("--threads", type=int, default=threads, help=f"torch threads (default {threads})")
+    return ap
+
+
 def start_run(args) -> tuple[Path, str, float]:
     """Common start of a bench entry point: output folder, torch threads, quiet logs, command, clock.
 

@@ -18,10 +18,8 @@ little trained says nothing about the correction).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
-from pathlib import Path
 
 import torch
 
@@ -94,15 +92,9 @@ def _kept(k: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fast", action="store_true", help="the O-Net shape only, 512 training / 256 test images")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="output folder (default docs/results, or outputs/bench_fast with --fast)")
+    ap = _report.models_parser(__doc__, "the O-Net shape only, 512 training / 256 test images", len(MODELS), threads=1)
     ap.add_argument("--epochs", type=int, default=1, help="FP32 training epochs (default 1: weak models)")
     ap.add_argument("--train", type=int, default=2000, help="training images (default 2000)")
-    ap.add_argument("--models", nargs="*", type=int, default=None, choices=range(len(MODELS)),
-                    help="indices of the models (default all; --fast: the O-Net shape)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = ap.parse_args(argv)
     out, cmd, t0 = _report.start_run(args)
     which = args.models if args.models is not None else ([3] if args.fast else range(len(MODELS)))

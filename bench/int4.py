@@ -43,9 +43,11 @@ from bench import minilm as M
 SHAPES = ((1, 1), (1, 16), (1, 128), (8, 128))
 #: lq's block methods; "awq-folded": AWQ scaling only where 1 / s folds into the op before (no Mul in the file);
 #: "gptq": that, then GPTQ's error-compensating rounding (CalibConfig(block_method="gptq"))
-LQ_METHODS = ("max", "mse", "awq", "awq-folded", "gptq")
-LQ_NAMES = {"max": "lq PTQ RTN", "mse": "lq PTQ MSE", "awq": "lq PTQ AWQ", "awq-folded": "lq PTQ AWQ, folded only",
-            "gptq": "lq PTQ GPTQ (AWQ folded only)"}
+LQ_METHODS = ("default", "max", "mse", "awq", "awq-folded", "gptq")
+#: the documents ``default`` calibrates on: calibrate_model's defaults with little data (issue 40, item 5)
+DEFAULT_DOCS = 16
+LQ_NAMES = {"default": f"lq PTQ default ({DEFAULT_DOCS} documents)", "max": "lq PTQ RTN", "mse": "lq PTQ MSE",
+            "awq": "lq PTQ AWQ", "awq-folded": "lq PTQ AWQ, folded only", "gptq": "lq PTQ GPTQ (AWQ folded only)"}
 ORT_ALGOS = ("rtn", "hqq", "gptq")
 BLOCK = 32
 
@@ -75,14 +77,24 @@ def export_lq(emb: torch.nn.Module, sample: dict, path: Path, fast: bool):
 
 def lq_ptq(model, calib: list[dict], method: str) -> tuple[torch.nn.Module, list]:
     """A calibrated copy of ``model`` as a SentenceEmbedding with int4_block_weight and ``block_method``
-    (``"awq-folded"``: AWQ with ``keep_muls=False``)."""
+    (``"awq-folded"``: AWQ with ``keep_muls=False``; ``"default"``: ``calibrate_model``'s defaults on the first
+    :data:`DEFAULT_DOCS` documents)."""
     from lq.calib._block_search import search_block_scales
     from lq.calibration import calibrate_model
     from lq.callbacks.swap import QuantSwap
 
     emb = M.SentenceEmbedding(copy.deepcopy(model)).eval()
     QuantSwap("int4_block_weight").swap(emb)
-    calibrate_model(emb, [_tuple(b) for b in calib], method="max")
+    if method == "default":
+        few, rows = [], 0
+        for b in calib:
+            if rows >= DEFAULT_DOCS:
+                break
+            few.append(_tuple(b))
+            rows += len(b[M.INPUT_NAMES[0]])
+        res = calibrate_model(emb, few, progress=False)
+        return emb, list(res.block_choices)
+    calibrate_model(emb, [_tuple(b) for b in calib], method="max", block_method="max")
     return emb, search_block_scales(emb, method.split("-")[0], [_tuple(b) for b in calib],
                                     keep_muls=method != "awq-folded")
 
@@ -240,7 +252,7 @@ def _run(args, out: Path, cmd: str, t0: float, work: Path) -> int:
         else:
             paths[name] = work / f"ort_{algo}.onnx"
     chosen: dict[str, list] = {}
-    for method in LQ_METHODS if not fast else ("awq", "gptq"):
+    for method in LQ_METHODS if not fast else ("default", "gptq"):
         name = LQ_NAMES[method]
         emb, choices = lq_ptq(model, calib, method)
         res = export_lq(emb, sample, work / f"lq_{method}.onnx", fast)

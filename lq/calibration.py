@@ -317,6 +317,7 @@ def calibrate_model(
     process_group=None,
     progress=None,
     bias_correction: bool = False,
+    block_method: str = "auto",
 ) -> dict:
     """Post-training calibration of every static quantizer in ``model``; returns ``{name: amax}``.
 
@@ -343,10 +344,15 @@ def calibrate_model(
             output back on float's, layer by layer, estimated on half of up to 8 calibration batches and kept per
             layer where it lowers the error on the other half, and at all only where the model's output gets
             closer to float (:mod:`lq.calib.bias_correction`); the file holds it in the layer's bias.
+        block_method: block-quantized Linear weights (``int4_block_weight``), once amax is set and before the bias
+            correction: ``auto`` (the best the batches support: AWQ's scaling where it folds, then GPTQ's rounding on
+            layers that saw enough rows), ``max``, ``mse``, ``awq`` or ``gptq`` (:class:`lq.config.CalibConfig`);
+            nothing where the model has no block-quantized layer.
 
     Returns:
         :class:`CalibrationResult`: ``{name: amax}``, with ``.auto`` (the ``auto`` choice per role and what it
-        gained against ``max``) and ``.bias_correction`` (what the correction did, None when off).
+        gained against ``max``), ``.block_choices`` (what the block search chose per block-quantized layer) and
+        ``.bias_correction`` (what the correction did, None when off).
 
     Raises:
         CalibrationError: the batches were empty, or no quantizer saw data (named).
@@ -354,17 +360,23 @@ def calibrate_model(
     """
     with lq_progress.choose(None if _wraps_batches(progress) else progress):
         return _calibrate(model, batches, method, weight_method, method_overrides, num_batches, percentile,
-                          num_bins, forward, only_uncalibrated, strict, process_group, progress, bias_correction)
+                          num_bins, forward, only_uncalibrated, strict, process_group, progress, bias_correction,
+                          block_method)
 
 
 def _calibrate(model, batches, method, weight_method, method_overrides, num_batches, percentile, num_bins, forward,
-               only_uncalibrated, strict, process_group, progress, bias_correction) -> dict:
+               only_uncalibrated, strict, process_group, progress, bias_correction, block_method) -> dict:
+    from lq.calib import _block_search
+
+    if block_method not in _block_search.BLOCK_METHODS:
+        raise ValueError(f"block_method={block_method!r} is not allowed: choose one of {list(_block_search.BLOCK_METHODS)}")
     quantizers = select_quantizers(model, include_calibrated=not only_uncalibrated)
     if not quantizers:
         return CalibrationResult()
     methods = methods_for(quantizers, method, weight_method, method_overrides)
     auto = "auto" in methods.values()
-    if auto or bias_correction:  # the search and the correction run the model on calibration batches again
+    blocks = block_method != "max" and bool(_block_search.block_layers(model, calibrated=False))
+    if auto or bias_correction or blocks:  # the searches and the correction run the model on the batches again
         batches = _replayable(batches, num_batches)
     seen = collect(model, batches, quantizers, methods, num_batches=num_batches, forward=forward,
                    num_bins=num_bins, progress=progress, process_group=process_group)
@@ -384,6 +396,8 @@ def _calibrate(model, batches, method, weight_method, method_overrides, num_batc
         selection = check[:auto_calib.SELECTION_BATCHES]
         result.auto = auto_calib.choose(model, quantizers, methods, selection, forward, process_group, check=check)
         result.update({name: q.amax for name, q in quantizers if name in amax})
+    if blocks:  # moves weights (AWQ's scaling, GPTQ's rounding): before the correction, which measures the outputs
+        result.block_choices = _block_search.search_block_scales(model, block_method, batches, forward, num_batches)
     if bias_correction:
         result.bias_correction = correct_biases(model, check, forward, process_group=process_group)
     return result
@@ -436,3 +450,4 @@ class CalibrationResult(dict):
 
     auto = None
     bias_correction = None
+    block_choices: tuple = ()

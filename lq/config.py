@@ -26,7 +26,7 @@ FORMATS = ("int", "fp8_e4m3")
 BLOCK_TYPES = ("static", "dynamic")
 CALIB_METHODS = ("auto", "max", "entropy", "percentile", "mse")
 CALIB_DATALOADERS = ("train", "val")
-BLOCK_METHODS = ("max", "mse", "awq", "gptq")
+BLOCK_METHODS = ("auto", "max", "mse", "awq", "gptq")
 LR_POLICIES = ("auto", "none", "cosine")
 EXPORTERS = ("dynamo", "legacy")
 EXPORT_TARGETS = ("onnxruntime", "tensorrt")
@@ -333,8 +333,10 @@ class CalibConfig:
             (lq/calib/bias_correction.py). The file holds it in the layer's bias. Off by default: on the bench's
             models it rarely gains, and a conv that had no bias gets one, which onnxruntime's integer kernels
             round to int32.
-        block_method: block-quantized Linear weights (``int4_block_weight``): ``max`` (round-to-nearest with each
-            block's max), ``mse`` (per block, the fraction of its max with the smallest weight error) or ``awq``
+        block_method: block-quantized Linear weights (``int4_block_weight``): ``auto`` (the default: the best the
+            calibration data supports, ``gptq``'s path, where GPTQ's rounding runs only on layers that saw enough
+            rows and the others keep the searched grids, without ``gptq``'s warning about them), ``max``
+            (round-to-nearest with each block's max), ``mse`` (per block, the fraction of its max with the smallest weight error) or ``awq``
             (activation-aware: input channels scaled by their mean magnitude^alpha, alpha per layer on its output
             error over the calibration batches, one alpha for Linears reading one input; MSE blocks). The inverse
             goes into the LayerNorm before (when only those Linears read it) or into the output rows of the Linear
@@ -355,7 +357,7 @@ class CalibConfig:
     method_overrides: Dict[str, str] = field(default_factory=dict)
     skip_if_calibrated: bool = True
     bias_correction: bool = False
-    block_method: str = "max"
+    block_method: str = "auto"
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -385,7 +387,8 @@ class CalibConfig:
         """The keyword arguments of :func:`lq.calibrate_model` this config sets (one place for every caller)."""
         return {"method": self.method, "weight_method": self.weight_method,
                 "method_overrides": dict(self.method_overrides), "num_batches": self.num_batches,
-                "percentile": self.percentile, "num_bins": self.num_bins, "bias_correction": self.bias_correction}
+                "percentile": self.percentile, "num_bins": self.num_bins, "bias_correction": self.bias_correction,
+                "block_method": self.block_method}
 
     def compute_amax_kwargs(self, method: str) -> Dict[str, Any]:
         return {"percentile": self.percentile} if method == "percentile" else {}
@@ -400,12 +403,12 @@ class QATConfig:
         learn_amax: make input amax a learned parameter (PACT-style clip); otherwise amax is frozen.
         freeze_bn_epoch: from this epoch on, BatchNorm uses and keeps its running statistics.
         freeze_amax_epoch: from this epoch on, learned amax stops changing.
-        lr_policy: ``auto``: ``cosine`` when QAT fine-tunes a model calibrated before its first step (the
-            callback's default path: the weights are trained, and the module's own LR was chosen to train them,
-            not to fine-tune), ``none`` when the fit starts with uncalibrated quantizers (quantizers trained from
-            scratch, ``calib.enabled=false``); ``none`` (keep the module's schedule) or ``cosine`` (the reference
-            toolkit's recipe: start at ``lr_start_fraction`` of the configured LR, cosine-anneal to
-            ``lr_end_fraction`` of that). A resumed fit keeps the policy it started with.
+        lr_policy: ``auto``: ``cosine`` when QAT fine-tunes a trained model, calibrated before its first step
+            (its top-1 on the validation batches beats the most frequent class by 10 points: the module's own LR
+            was chosen to train it, not to fine-tune it), else ``none`` (a model at chance trained from scratch
+            with quantizers on, uncalibrated quantizers, or no classifier batches to tell); ``none`` (keep the
+            module's schedule) or ``cosine`` (the reference toolkit's recipe: start at ``lr_start_fraction`` of the
+            configured LR, cosine-anneal to ``lr_end_fraction`` of that). A resumed fit keeps its policy.
         lr_start_fraction: fraction of the original LR that QAT starts at (default 1%).
         lr_end_fraction: fraction of the starting QAT LR that it ends at (default 1%).
         distill_weight: quantization-aware distillation: the share of the gradient at the distilled output

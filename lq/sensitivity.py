@@ -416,7 +416,7 @@ def sensitivity_analysis(
     QuantSwap(quant).swap(m)
     # no bias correction: a layer switched off to measure it would keep its corrected bias, no longer float
     calibrate_model(m, calib_batches, forward=forward or default_forward,
-                    **dict(calib.calibrate_kwargs(), bias_correction=False))
+                    **dict(calib.calibrate_kwargs(), bias_correction=False, block_method="max"))
     return layer_sensitivity(m, metric, **kwargs)
 
 

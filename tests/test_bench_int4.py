@@ -49,7 +49,7 @@ def test_every_file_has_its_row(run):
     rows = {r["file"]: r for r in res["rows"]}
     assert list(rows)[:2] == ["FP32", "onnxruntime RTN"], list(rows)
     lq = [k for k in rows if k.startswith("lq ")]
-    assert "lq PTQ AWQ" in lq and any(k.startswith("lq QAT") for k in lq), lq
+    assert "lq PTQ default (16 documents)" in lq and any(k.startswith("lq QAT") for k in lq), lq
     for name, r in rows.items():
         assert 0 < r["size_mb"] < 100 and -1 <= r["min_cos"] <= r["mean_cos"] <= 1.0001, (name, r)
         assert 0 <= r["sentiment_acc"] <= 1 and math.isfinite(r["pearson"]), (name, r)

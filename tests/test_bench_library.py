@@ -86,3 +86,25 @@ def test_cpu_named_with_every_table(run):
     assert tables and all(f"(CPU: {cpu}" in t and f"{res['machine']['isa']})" in t for t in tables[:3]), tables
     assert f"CPU: {cpu}" in stdout and "load average" in md
     assert "Command: `python -m bench.library --fast" in md
+
+
+def test_qat_bench_exports_what_it_chose(bench_runs):
+    """``python -m bench.qat --fast``: QuantCallback()'s defaults fine-tune the trained O-Net shape (the fine-tuning
+    LR: the model is calibrated first) and the exported file computes the model the callback chose: its accuracy
+    in onnxruntime is that model's in PyTorch (PTQ's from an independent calibration, or QAT's) within two test
+    images."""
+    r = bench_runs["qat"]
+    if isinstance(r, str):
+        pytest.skip(r)
+    r.check()
+    res = json.loads((r.out / "qat" / "qat.json").read_text())
+    assert res["fast"] is True and res["machine"]["isa"] != "unknown"
+    (row,) = res["rows"]
+    a = row["auto"]
+    assert a["policy"] == "cosine", a
+    assert a["chosen"] in ("ptq", "qat") and set(a["val_scores"]) == {"ptq", "qat"}, a
+    assert (a["chosen"] == "ptq") == (a["val_scores"]["qat"] < a["val_scores"]["ptq"]), a
+    reference = row["ptq_torch"] if a["chosen"] == "ptq" else a["qat_torch"]
+    assert abs(a["file"] - reference) <= 2 / row["test_images"] + 1e-9, (a, row["ptq_torch"])
+    md = (r.out / "qat" / "qat.md").read_text()
+    assert md.startswith("# QAT with the callback's defaults") and f"CPU: {res['machine']['isa']}" in md

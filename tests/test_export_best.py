@@ -5,6 +5,7 @@ the calibrated model must not be exported without a word (issue 40, item 4)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import lightning as L
@@ -60,11 +61,21 @@ def _lrs():
     return seen, LR()
 
 
-def _accuracy(model, loader) -> float:
+def _accuracy(model, loader, batches: int = 4) -> float:
+    """Top-1 on the first ``batches`` batches: the ones the validation loop runs (limit_val_batches=4)."""
     model.eval()
     with torch.no_grad():
-        hits = [(model(x).argmax(1) == y).sum().item() for x, y in loader]
-    return sum(hits) / len(loader.dataset)
+        pairs = [(model(x).argmax(1) == y) for x, y in itertools.islice(loader, batches)]
+    return float(torch.cat(pairs).double().mean())
+
+
+class _AtFirstStep(L.Callback):
+    """A copy of the module as QAT starts from it (after the QuantCallback's calibration)."""
+
+    def on_train_start(self, trainer, pl_module):
+        import copy
+
+        self.model = copy.deepcopy(pl_module)
 
 
 def test_auto_fine_tunes_a_calibrated_model_at_a_fraction_of_its_lr(tmp_path, dm, trained):
@@ -72,20 +83,30 @@ def test_auto_fine_tunes_a_calibrated_model_at_a_fraction_of_its_lr(tmp_path, dm
     m.load_state_dict(trained)
     cb = lq.QuantCallback(export=ExportConfig(enabled=False), verbose=False)
     lrs, spy = _lrs()
-    _trainer(tmp_path, [cb, spy], max_epochs=2).fit(m, datamodule=dm)
+    first = _AtFirstStep()
+    _trainer(tmp_path, [cb, spy, first], max_epochs=2).fit(m, datamodule=dm)
     base = m.hparams.lr
     assert cb.qat.lr_policy == "auto" and cb.schedule.policy == "cosine"
+    # the calibrated model's top-1 on the validation loop's batches, against an independent count
+    assert cb.schedule.start_score.top1 == pytest.approx(_accuracy(first.model, dm.val_dataloader()))
+    assert cb.schedule.start_score.top1 > 0.5
     assert lrs[0] == pytest.approx(base * 0.01)
     assert lrs[-1] == pytest.approx(cb.schedule.lr_at(base, 7 / 8))
 
 
-def test_auto_keeps_the_module_schedule_for_quantizers_trained_from_scratch(tmp_path, dm):
+@pytest.mark.parametrize("calibrated", [True, False])
+def test_auto_keeps_the_module_schedule_for_a_model_trained_from_scratch(tmp_path, dm, calibrated):
+    """`lq-cli fit --model SmallCNN ...` (the README's line) trains a freshly built model with the callback: it is
+    calibrated at chance level, so QAT must train it at the module's own LR; with calibration off too."""
     L.seed_everything(0)
     m = SmallCNN(channels=8, max_epochs_hint=3)
-    cb = lq.QuantCallback(calib=CalibConfig(enabled=False), export=ExportConfig(enabled=False), verbose=False)
+    cb = lq.QuantCallback(calib=CalibConfig(enabled=calibrated), export=ExportConfig(enabled=False), verbose=False)
     lrs, spy = _lrs()
     _trainer(tmp_path, [cb, spy]).fit(m, datamodule=dm)
     assert cb.schedule.policy == "none"
+    if calibrated:  # scored at chance: the most frequent digit's share
+        s = cb.schedule.start_score
+        assert s.top1 < s.chance + 0.1 and 0.08 < s.chance < 0.15, s
     assert lrs[0] == pytest.approx(m.hparams.lr)  # the module's own cosine schedule steps per epoch
 
 

@@ -57,7 +57,7 @@ def _float_twin(m):
 def test_search_is_never_worse_than_round_to_nearest(method):
     m = _model()
     calib = [_loud_inputs(256, seed=s) for s in range(2)]
-    calibrate_model(m, calib)
+    calibrate_model(m, calib, block_method="max")
     float_model = _float_twin(m)
     rtn_out = _errors(m, calib[0], float_model)
     weights = {name: layer.weight.detach().clone() for name, layer in block_layers(m)}
@@ -93,7 +93,7 @@ def test_search_is_never_worse_than_round_to_nearest(method):
 
 def _rtn():
     m = _model()
-    calibrate_model(m, [_loud_inputs(256, seed=s) for s in range(2)])
+    calibrate_model(m, [_loud_inputs(256, seed=s) for s in range(2)], block_method="max")
     return m
 
 
@@ -156,7 +156,7 @@ def test_searched_model_exports_exactly_to_matmul_nbits(tmp_path, method, dynamo
 
     m = _model()
     calib = [_loud_inputs(256, seed=s) for s in range(2)]
-    calibrate_model(m, calib)
+    calibrate_model(m, calib, block_method="max")
     search_block_scales(m, method, calib)
     x = _loud_inputs(6, seed=3).reshape(2, 3, 128)
     res = export_onnx(m, x, str(tmp_path / f"{method}.onnx"), opset=21, dynamo=dynamo, dynamic_dims=(1,),
@@ -178,7 +178,7 @@ def test_searched_model_exports_exactly_to_matmul_nbits(tmp_path, method, dynamo
 def test_block_method_is_a_calib_config_field_the_callback_uses():
     from lq.callbacks.calibrate import QuantCalibrate
 
-    with pytest.raises(ValueError, match=r"block_method='hqq'.*\['max', 'mse', 'awq', 'gptq'\]"):
+    with pytest.raises(ValueError, match=r"block_method='hqq'.*\['auto', 'max', 'mse', 'awq', 'gptq'\]"):
         CalibConfig(block_method="hqq")
     m = _model()
     loader = [(_loud_inputs(64, seed=s), torch.zeros(64)) for s in range(2)]
@@ -201,3 +201,28 @@ def test_block_method_is_a_calib_config_field_the_callback_uses():
     cb.run(_Trainer(), m, loader)
     assert cb.block_choices and all(c.error <= c.rtn_error for c in cb.block_choices)
     assert any(layer._input_quantizer.pre_quant_scale is not None for _, layer in block_layers(m))
+
+
+def test_calibrate_model_defaults_search_blocks_as_gptq_without_its_warning():
+    """``calibrate_model``'s default ``block_method="auto"`` gives exactly what ``gptq`` gives after a plain max
+    calibration (the same choices, the same weights), says per layer whether GPTQ's rounding ran and warns about
+    nothing; with too few rows GPTQ's rounding is skipped, with enough it runs; ``max`` leaves the weights alone."""
+    import warnings
+
+    for rows, gptq_ran in ((64, False), (2048, True)):
+        calib = [_loud_inputs(rows, seed=s) for s in range(2)]
+        auto, ref, rtn = _model(), _model(), _model()
+        w0 = [p.detach().clone() for n, p in rtn.named_parameters() if n.endswith("weight")]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning from auto, whatever the rows
+            res = calibrate_model(auto, calib)
+        calibrate_model(ref, calib, block_method="max")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # gptq warns about too few rows
+            want = search_block_scales(ref, "gptq", calib)
+        assert [(c.layer, c.alpha, c.gptq) for c in res.block_choices] == [(c.layer, c.alpha, c.gptq) for c in want]
+        assert all(c.gptq == gptq_ran for c in res.block_choices), res.block_choices
+        for (_, a), (_, b) in zip(block_layers(auto), block_layers(ref)):
+            assert torch.equal(a.weight, b.weight) and torch.equal(a._weight_quantizer.amax, b._weight_quantizer.amax)
+        calibrate_model(rtn, calib, block_method="max")
+        assert all(torch.equal(p, w) for p, w in zip([p for n, p in rtn.named_parameters() if n.endswith("weight")], w0))

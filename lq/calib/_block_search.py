@@ -72,8 +72,9 @@ class BlockChoice:
     gptq: bool = False  # gptq: its weights rounded by GPTQ (False: too few calibration rows, or no better)
 
 
-def block_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules whose 2-D weight has a calibrated, static block quantizer with blocks along the input features."""
+def block_layers(model: nn.Module, calibrated: bool = True) -> list[tuple[str, nn.Module]]:
+    """The modules whose 2-D weight has a static block quantizer with blocks along the input features, calibrated
+    (``calibrated=False``: or still to be: whether a calibration will have block layers to search)."""
     out = []
     for name, m in model.named_modules():
         tq = getattr(m, "_weight_quantizer", None)
@@ -81,7 +82,7 @@ def block_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if tq is None or not isinstance(w, torch.Tensor) or w.dim() != 2 or not tq.is_enabled:
             continue
         blocks = tq.block_sizes
-        if not blocks or tq.dynamic or tq.amax is None or tq.is_fp8:
+        if not blocks or tq.dynamic or (calibrated and tq.amax is None) or tq.is_fp8:
             continue
         axes = [a for a in blocks if isinstance(a, int)]
         if len(axes) == 1 and axes[0] % 2 == 1 and blocks.get("scale_bits") is None:
@@ -184,7 +185,7 @@ def _enough_rows_for_gptq(st: "_Rows", features: int) -> bool:
 
 def search_awq(model: nn.Module, batches: Iterable, forward: Callable[[nn.Module, Any], Any],
                num_batches: int | None = None, fold: bool = True, keep_muls: bool = True,
-               gptq: bool = False) -> list[BlockChoice]:
+               gptq: bool = False, warn_few_rows: bool = True) -> list[BlockChoice]:
     """AWQ: per weight-only block-quantized Linear, the activation scale ``s = mag^alpha`` and block amax with the
     smallest output error on the calibration rows (round-to-nearest among the candidates); sets the weight, the
     input quantizer's ``pre_quant_scale`` (``1 / s``) and the amax. Linears reading one tensor (Q/K/V) share one
@@ -192,7 +193,8 @@ def search_awq(model: nn.Module, batches: Iterable, forward: Callable[[nn.Module
     (:mod:`lq.calib._awq_fold`). Other block layers get the MSE search. ``keep_muls=False``: Linears whose ``1 / s``
     folds nowhere (after a GELU, or a LayerNorm whose output is also the residual) are not scaled (``alpha = 0``,
     the output-aware clipping alone): the file runs no Mul before any MatMulNBits. ``gptq``: the chosen weights then
-    rounded by :func:`gptq_round` where that lowers the group's output error."""
+    rounded by :func:`gptq_round` where that lowers the group's output error (``warn_few_rows``: say which layers saw
+    too few rows for it)."""
     from lq.calib import _awq_fold
 
     layers = block_layers(model)
@@ -232,7 +234,7 @@ def search_awq(model: nn.Module, batches: Iterable, forward: Callable[[nn.Module
                                    "use block_method='mse' (no data needed)")
         alphas = ALPHAS if scalable is None or group[0] in scalable else (0.0,)
         out += _awq_group(group, [mods[n] for n in group], stats[group[0]], alphas, gptq)
-    few = [n for n in stats if gptq and not _enough_rows_for_gptq(stats[n], mods[n].weight.shape[1])]
+    few = [n for n in stats if gptq and warn_few_rows and not _enough_rows_for_gptq(stats[n], mods[n].weight.shape[1])]
     if few:
         import warnings
 
@@ -337,6 +339,7 @@ def search_block_scales(model: nn.Module, method: str, batches: Iterable | None 
                          "'mse' without data")
     if forward is None:
         from lq.calib._forward import default_forward as forward
-    if method == "gptq":
-        return search_awq(model, batches, forward, num_batches, keep_muls=False, gptq=True)
+    if method in ("gptq", "auto"):  # auto: gptq's path, GPTQ where the rows support it, said per layer, not warned
+        return search_awq(model, batches, forward, num_batches, keep_muls=False, gptq=True,
+                          warn_few_rows=method == "gptq")
     return search_awq(model, batches, forward, num_batches, keep_muls=keep_muls)

@@ -72,19 +72,10 @@ class QuantCalibrate(L.Callback):
             with plugin.forward_context():
                 return self.forward(module, batch)
 
-        searched = c.block_method != "max"  # block-quantized weights: scale search / AWQ on the same batches
-        kwargs = c.calibrate_kwargs()
-        kwargs["bias_correction"] = c.bias_correction and not searched  # after the search, which moves weights
         self.last_amax = calibration.calibrate_model(
             pl_module, loader, forward=fwd, only_uncalibrated=c.skip_if_calibrated, progress=self._progress(trainer),
-            **kwargs)
-        if searched:
-            from lq.calib._block_search import search_block_scales
-
-            self.block_choices = search_block_scales(pl_module, c.block_method, loader, fwd, c.num_batches)
-            if c.bias_correction:
-                self.last_amax.bias_correction = calibration.correct_biases(pl_module, loader, fwd,
-                                                                            num_batches=c.num_batches)
+            **c.calibrate_kwargs())
+        self.block_choices = list(self.last_amax.block_choices)
         self.calibrated = True
         rank_zero_info(f"lq: calibrated {len(self.last_amax)} quantizer(s) with method={c.method}")
         return self.last_amax

@@ -13,10 +13,10 @@ import os
 from typing import Iterator, Optional
 
 import lightning as L
-import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lq.callbacks.qat import _calibrated
+from lq.callbacks._val_score import Score, top1
+from lq.callbacks.qat import QATSchedule, _calibrated
 
 #: what the PTQ model's checkpoint is called, beside the run's other files (as lq-train names it)
 PTQ_CHECKPOINT = "ptq.ckpt"
@@ -25,8 +25,9 @@ PTQ_CHECKPOINT = "ptq.ckpt"
 class ExportBest(L.Callback):
     """Keep the calibrated model's state at the first QAT step; at the export, score it and the trained model.
 
-    The score is top-1 accuracy on the validation dataloader's ``(inputs, class targets)`` batches (every rank
-    scores its shard, the counts are summed, so every rank takes the same decision). Where the QAT model scores
+    The score is top-1 accuracy on the validation batches (:mod:`lq.callbacks._val_score`: ``(inputs, class
+    targets)`` batches of a classifier; every rank scores its shard and the counts are summed, so every rank takes
+    the same decision); the PTQ model's is the one :class:`QATSchedule` measured at the first step where it did. Where the QAT model scores
     lower, :meth:`selected` lends the export the module with the PTQ state loaded, gives the module its QAT state
     back afterwards, and writes the PTQ state as a checkpoint of its own (``ptq.ckpt`` in ``default_root_dir``,
     loadable with :func:`lq.load_quantized`); the QAT weights stay in the module and in the checkpoint the export
@@ -37,8 +38,9 @@ class ExportBest(L.Callback):
     from a checkpoint has no PTQ model to compare with, and exports QAT's.
     """
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, schedule: Optional[QATSchedule] = None) -> None:
         self.enabled = enabled
+        self.schedule = schedule  # its start_score: the PTQ model's, where ``lr_policy=auto`` measured it
         self.ptq_state: Optional[dict] = None
         self.scores: Optional[dict] = None  # {"ptq": accuracy, "qat": accuracy} once compared
         self.chosen: Optional[str] = None
@@ -58,30 +60,34 @@ class ExportBest(L.Callback):
         ptq_state, self.ptq_state = self.ptq_state, None
         qat_state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
         try:
-            qat = _top1(trainer, pl_module)
+            qat = top1(trainer, pl_module)
             if qat is None:
                 rank_zero_info("lq: the QAT model is exported without comparing it with the post-training one: that "
                                "needs validation batches of (inputs, class targets) and a classifier's logits")
                 self.chosen = "qat"
                 yield pl_module
                 return
-            pl_module.load_state_dict(ptq_state)
-            ptq = _top1(trainer, pl_module)
+            ptq: Optional[Score] = getattr(self.schedule, "start_score", None)
+            if ptq is None:  # not measured at the first step: the PTQ state scored now
+                pl_module.load_state_dict(ptq_state)
+                ptq = top1(trainer, pl_module)
+            ptq, qat = ptq.top1, qat.top1
             self.scores = {"ptq": ptq, "qat": qat}
             said = f"QAT {100 * qat:.2f}% vs post-training {100 * ptq:.2f}% top-1 on the validation data"
             if qat >= ptq:
-                pl_module.load_state_dict(qat_state)
                 self.chosen = "qat"
+                pl_module.load_state_dict(qat_state)  # PTQ's state was loaded to score it
                 rank_zero_info(f"lq: {said}: the QAT model is exported")
             else:
                 self.chosen = "ptq"
+                pl_module.load_state_dict(ptq_state)
                 where = self._save_ptq(trainer, ckpt, ptq_state)
                 rank_zero_warn(f"lq: QAT ended less accurate than post-training ({said}): the post-training model is "
                                f"exported{f' (its checkpoint: {where})' if where else ''}; the QAT weights stay in "
                                "the module (export.export_best=false exports them)")
             yield pl_module
         finally:
-            pl_module.load_state_dict(qat_state)
+            pl_module.load_state_dict(qat_state)  # the module keeps what QAT trained, whatever was exported
 
     @staticmethod
     def _save_ptq(trainer: L.Trainer, ckpt: Optional[str], state: dict) -> Optional[str]:
@@ -92,47 +98,6 @@ class ExportBest(L.Callback):
         path = os.path.join(trainer.default_root_dir, PTQ_CHECKPOINT)
         save_with_weights(ckpt, state, path)
         return path
-
-
-@torch.no_grad()
-def _top1(trainer: L.Trainer, module: L.LightningModule) -> Optional[float]:
-    """Top-1 accuracy of ``module`` over the validation batches, summed over ranks; None where the batches or the
-    outputs are not a classifier's."""
-    loader = _val_loader(trainer)
-    if loader is None:
-        return None
-    plugin = trainer.strategy.precision_plugin
-    was = module.training
-    module.eval()
-    counts = torch.zeros(2, dtype=torch.float64, device=module.device)
-    try:
-        for batch in loader:
-            if not (isinstance(batch, (list, tuple)) and len(batch) >= 2):
-                return None
-            batch = plugin.convert_input(trainer.strategy.batch_to_device(batch))
-            x, y = batch[0], batch[1]
-            if not (isinstance(y, torch.Tensor) and y.dim() == 1 and not y.is_floating_point()):
-                return None
-            with plugin.forward_context():
-                out = module(x)
-            if not (isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[0] == y.shape[0]):
-                return None
-            counts[0] += (out.argmax(1) == y).sum()
-            counts[1] += y.numel()
-    finally:
-        module.train(was)
-    counts = trainer.strategy.reduce(counts, reduce_op="sum")
-    return float(counts[0] / counts[1]) if counts[1] > 0 else None
-
-
-def _val_loader(trainer: L.Trainer):
-    try:
-        loader = trainer.val_dataloaders
-    except Exception:  # noqa: BLE001 - no val loader configured
-        return None
-    if isinstance(loader, (list, tuple)):
-        loader = loader[0] if loader else None
-    return loader
 
 
 __all__ = ["ExportBest", "PTQ_CHECKPOINT"]

@@ -49,12 +49,15 @@ class QATSchedule(L.Callback):
       step, so it works with any optimizer the module configures (and overrides
       the module's own schedulers while active).
     * ``lr_policy="auto"`` (the default) takes that recipe when the fit starts
-      from a calibrated model (every static, not learned, quantizer holds an
-      amax at the first step: QAT fine-tunes trained weights, and the module's
-      LR was chosen to train them from scratch: at full LR QAT undoes what
-      training did), and the module's own schedule otherwise (quantizers
-      trained from scratch). The choice is said once and kept by checkpoints,
-      so a resumed fit goes on with it.
+      from a calibrated, trained model: every static, not learned, quantizer
+      holds an amax at the first step, and the model's top-1 on the validation
+      batches beats the most frequent class by 10 points
+      (:mod:`lq.callbacks._val_score`). QAT then fine-tunes trained weights
+      with an LR that was chosen to train them from scratch: at full LR it
+      undoes what training did. Otherwise (uncalibrated quantizers, a model at
+      chance: training from scratch with quantizers on; or no classifier
+      batches to tell) the module's own schedule. The choice is said once and
+      kept by checkpoints, so a resumed fit goes on with it.
     * Logs ``lq/amax_drift/<quantizer>``: relative change of every static amax
       since training started.
     * A step whose gradients are not finite (a NaN/Inf batch, an overflow) is
@@ -79,6 +82,7 @@ class QATSchedule(L.Callback):
         )
         self.base_lrs: Optional[list] = None
         self.policy: Optional[str] = None  # the LR policy this fit runs (``auto`` resolved at its first step)
+        self.start_score = None  # auto: the calibrated model's validation score at the first step (lq.callbacks._val_score)
         self.amax_start: dict = {}
         self._bn_frozen = False
         self._amax_frozen = False
@@ -91,6 +95,8 @@ class QATSchedule(L.Callback):
             return
         if self.policy is None:
             self.policy = self.resolve_policy(trainer, pl_module)
+        else:  # kept from a checkpoint or an earlier fit: no score of this fit's starting model
+            self.start_score = None
         if self.policy == "cosine":
             if self.base_lrs is None:
                 self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers]
@@ -107,16 +113,26 @@ class QATSchedule(L.Callback):
             return self.qat.lr_policy
         if self.base_lrs is not None:  # a checkpoint of a fit that ran the recipe, written before policies were kept
             return "cosine"
-        fine_tuning = trainer.global_step == 0 and _calibrated(pl_module)
         from lightning.pytorch.utilities import rank_zero_info
 
-        if fine_tuning:
-            rank_zero_info(
-                f"lq: QAT fine-tunes the calibrated model: its LR starts at {self.qat.lr_start_fraction:g} of the "
-                "configured one and cosine-anneals (qat.lr_policy=auto; 'none' keeps the module's own schedule)")
+        own = "qat.lr_policy=auto; 'cosine' fine-tunes at a fraction of it"
+        if trainer.global_step > 0 or not _calibrated(pl_module):
+            rank_zero_info(f"lq: QAT starts from uncalibrated quantizers: it trains with the module's own LR ({own})")
+            return "none"
+        from lq.callbacks._val_score import top1
+
+        self.start_score = score = top1(trainer, pl_module)
+        if score is None:
+            rank_zero_info("lq: QAT trains with the module's own LR: whether the model was trained before could not "
+                           f"be told (no validation batches of (inputs, class targets)) ({own})")
+            return "none"
+        said = f"{100 * score.top1:.1f}% top-1 on the validation data, the most frequent class {100 * score.chance:.1f}%"
+        if score.learned:
+            rank_zero_info(f"lq: QAT fine-tunes the trained, calibrated model ({said}): its LR starts at "
+                           f"{self.qat.lr_start_fraction:g} of the configured one and cosine-anneals "
+                           "(qat.lr_policy=auto; 'none' keeps the module's own schedule)")
             return "cosine"
-        rank_zero_info("lq: QAT starts from uncalibrated quantizers, so it trains with the module's own LR schedule "
-                       "(qat.lr_policy=auto; 'cosine' fine-tunes at a fraction of it)")
+        rank_zero_info(f"lq: QAT trains the model from scratch ({said}) with the module's own LR ({own})")
         return "none"
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

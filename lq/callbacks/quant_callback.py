@@ -78,7 +78,8 @@ class QuantCallback(L.Callback):
         self.swap = QuantSwap(self.quant, learn_amax=self.qat.learn_amax)
         self.calibrate = QuantCalibrate(self.calib)
         self.schedule = QATSchedule(self.qat)
-        self.best = ExportBest(self.export.enabled and self.export.export_best and self.qat.enabled)
+        self.best = ExportBest(self.export.enabled and self.export.export_best and self.qat.enabled,
+                               schedule=self.schedule)  # the PTQ score, where the schedule measured it
         self.exporter = QuantExport(self.export, select=self.best.selected)
         self._reported = False
 
