@@ -144,7 +144,8 @@ def lq_qat(model, calib: list[dict], epochs: int, lr: float = 3e-5) -> torch.nn.
     lm = EmbeddingQAT.build(copy.deepcopy(model), calib, lr)
     cb = QuantCallback(quant="int4_block_weight",
                        calib=CalibConfig(method="max", block_method="awq", num_batches=len(calib)),
-                       qat=QATConfig(distill_weight=0.5, distill_temperature=0.05),
+                       # lr is a fine-tuning LR already (measured above): the policy must not cut it to 1% again
+                       qat=QATConfig(distill_weight=0.5, distill_temperature=0.05, lr_policy="none"),
                        export=ExportConfig(enabled=False), log_histograms=False, verbose=False)
     trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])

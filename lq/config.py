@@ -404,9 +404,9 @@ class QATConfig:
         freeze_bn_epoch: from this epoch on, BatchNorm uses and keeps its running statistics.
         freeze_amax_epoch: from this epoch on, learned amax stops changing.
         lr_policy: ``auto``: ``cosine`` when QAT fine-tunes a trained model, calibrated before its first step
-            (its top-1 on the validation batches beats the most frequent class by 10 points: the module's own LR
-            was chosen to train it, not to fine-tune it), else ``none`` (a model at chance trained from scratch
-            with quantizers on, uncalibrated quantizers, or no classifier batches to tell); ``none`` (keep the
+            (its top-1 on the validation batches beats the most frequent class by 10 points, or the batches are not
+            a classifier's: the module's own LR was chosen to train it, not to fine-tune it), ``none`` for a model
+            at chance (trained from scratch with quantizers on) or uncalibrated quantizers; ``none`` (keep the
             module's schedule) or ``cosine`` (the reference toolkit's recipe: start at ``lr_start_fraction`` of the
             configured LR, cosine-anneal to ``lr_end_fraction`` of that). A resumed fit keeps its policy.
         lr_start_fraction: fraction of the original LR that QAT starts at (default 1%).

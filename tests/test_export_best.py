@@ -176,3 +176,40 @@ def test_a_better_qat_is_exported_and_export_best_off_always_exports_qat(tmp_pat
         with torch.no_grad():
             ref = m.eval()(x).numpy()  # the file computes the module's (QAT) weights
         assert np.abs(out - ref).mean() < 0.05 * np.abs(ref).mean()
+
+
+class DigitRegressor(L.LightningModule):
+    """Not a classifier: one output, the digit's value, trained by squared error on the same (image, digit) batches."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                                       torch.nn.Linear(32, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self(batch[0]).squeeze(1), batch[1].float())
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", torch.nn.functional.mse_loss(self(batch[0]).squeeze(1), batch[1].float()))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), 1e-2)
+
+
+def test_a_model_that_is_not_a_classifier_is_fine_tuned_and_its_qat_model_exported(tmp_path, dm):
+    """Its batches say nothing of whether it was trained: QAT's usual start is a trained model, so the fine-tuning
+    recipe; and no PTQ-vs-QAT comparison (it would need class logits): the QAT model is exported."""
+    L.seed_everything(0)
+    m = DigitRegressor()
+    _trainer(tmp_path, [], max_epochs=2, limit_train_batches=None).fit(m, datamodule=dm)
+    cb = lq.QuantCallback(calib=CalibConfig(method="max"), verbose=False,
+                          export=ExportConfig(speed_check=False, fallback_seconds=0))
+    lrs, spy = _lrs()
+    _trainer(tmp_path, [cb, spy]).fit(m, datamodule=dm)
+    assert cb.schedule.policy == "cosine" and cb.schedule.start_score is None
+    assert lrs[0] == pytest.approx(1e-2 * 0.01)
+    assert cb.best.chosen == "qat" and cb.best.scores is None
+    assert not (tmp_path / PTQ_CHECKPOINT).exists() and os.path.exists(cb.exporter.path)

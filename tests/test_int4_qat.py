@@ -51,7 +51,8 @@ def test_int4_qat_with_distillation_wins_back_what_ptq_lost(tmp_path):
     model = _Regressor(x)
     fp32 = copy.deepcopy(model.net).eval()
     cb = QuantCallback(quant="int4_block_weight", calib=CalibConfig(method="max", block_method="mse", num_batches=4),
-                       qat=QATConfig(distill_weight=0.5), export=ExportConfig(enabled=False), log_histograms=False,
+                       qat=QATConfig(distill_weight=0.5, lr_policy="none"),  # the module's LR: 4 epochs to win back
+                       export=ExportConfig(enabled=False), log_histograms=False,
                        verbose=False)
 
     def error(m):

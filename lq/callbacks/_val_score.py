@@ -70,8 +70,8 @@ def top1(trainer: L.Trainer, module: L.LightningModule) -> Optional[Score]:
                 return None
             with plugin.forward_context():
                 out = module(x)
-            if not (isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[0] == y.shape[0]):
-                return None
+            if not (isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[0] == y.shape[0] and out.shape[1] > 1):
+                return None  # not one row of class logits per target
             correct += (out.argmax(1) == y).sum()
             seen = torch.bincount(y.long().clamp(0, out.shape[1] - 1), minlength=out.shape[1]).double()
             per_class = seen if per_class is None else per_class + seen

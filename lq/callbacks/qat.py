@@ -54,10 +54,11 @@ class QATSchedule(L.Callback):
       batches beats the most frequent class by 10 points
       (:mod:`lq.callbacks._val_score`). QAT then fine-tunes trained weights
       with an LR that was chosen to train them from scratch: at full LR it
-      undoes what training did. Otherwise (uncalibrated quantizers, a model at
-      chance: training from scratch with quantizers on; or no classifier
-      batches to tell) the module's own schedule. The choice is said once and
-      kept by checkpoints, so a resumed fit goes on with it.
+      undoes what training did. Uncalibrated quantizers or a model at chance
+      (training from scratch with quantizers on) keep the module's own
+      schedule. Where the batches are not a classifier's, the recipe too (QAT
+      usually starts from a trained model; ``none`` says otherwise). The choice
+      is said once and kept by checkpoints, so a resumed fit goes on with it.
     * Logs ``lq/amax_drift/<quantizer>``: relative change of every static amax
       since training started.
     * A step whose gradients are not finite (a NaN/Inf batch, an overflow) is
@@ -122,10 +123,12 @@ class QATSchedule(L.Callback):
         from lq.callbacks._val_score import top1
 
         self.start_score = score = top1(trainer, pl_module)
-        if score is None:
-            rank_zero_info("lq: QAT trains with the module's own LR: whether the model was trained before could not "
-                           f"be told (no validation batches of (inputs, class targets)) ({own})")
-            return "none"
+        if score is None:  # QAT's usual start is a trained model: fine-tuning it at full LR undoes the training
+            rank_zero_info(
+                "lq: QAT fine-tunes the calibrated model at {:g} of the configured LR, cosine-annealed: whether it was "
+                "trained could not be told (no validation batches of (inputs, class targets)); qat.lr_policy=none "
+                "keeps the module's own schedule (training from scratch)".format(self.qat.lr_start_fraction))
+            return "cosine"
         said = f"{100 * score.top1:.1f}% top-1 on the validation data, the most frequent class {100 * score.chance:.1f}%"
         if score.learned:
             rank_zero_info(f"lq: QAT fine-tunes the trained, calibrated model ({said}): its LR starts at "
