@@ -58,36 +58,46 @@ class ExportBest(L.Callback):
             yield pl_module
             return
         ptq_state, self.ptq_state = self.ptq_state, None
-        qat_state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        qat = top1(trainer, pl_module)
+        if qat is None:
+            rank_zero_info("lq: the QAT model is exported without comparing it with the post-training one: that "
+                           "needs validation batches of (inputs, class targets) and a classifier's logits")
+            self.chosen = "qat"
+            yield pl_module
+            return
+        qat_state: Optional[dict] = None  # the module's QAT state, kept on the host while PTQ's is loaded
+
+        def load_ptq() -> None:
+            nonlocal qat_state
+            if qat_state is None:
+                qat_state = {k: v.detach().to("cpu", copy=True) for k, v in pl_module.state_dict().items()}
+                pl_module.load_state_dict(ptq_state)
+
         try:
-            qat = top1(trainer, pl_module)
-            if qat is None:
-                rank_zero_info("lq: the QAT model is exported without comparing it with the post-training one: that "
-                               "needs validation batches of (inputs, class targets) and a classifier's logits")
-                self.chosen = "qat"
-                yield pl_module
-                return
             ptq: Optional[Score] = getattr(self.schedule, "start_score", None)
             if ptq is None:  # not measured at the first step: the PTQ state scored now
-                pl_module.load_state_dict(ptq_state)
+                load_ptq()
                 ptq = top1(trainer, pl_module)
             ptq, qat = ptq.top1, qat.top1
             self.scores = {"ptq": ptq, "qat": qat}
             said = f"QAT {100 * qat:.2f}% vs post-training {100 * ptq:.2f}% top-1 on the validation data"
             if qat >= ptq:
                 self.chosen = "qat"
-                pl_module.load_state_dict(qat_state)  # PTQ's state was loaded to score it
+                if qat_state is not None:  # PTQ's state was loaded to score it
+                    pl_module.load_state_dict(qat_state)
+                    qat_state = None
                 rank_zero_info(f"lq: {said}: the QAT model is exported")
             else:
                 self.chosen = "ptq"
-                pl_module.load_state_dict(ptq_state)
+                load_ptq()
                 where = self._save_ptq(trainer, ckpt, ptq_state)
                 rank_zero_warn(f"lq: QAT ended less accurate than post-training ({said}): the post-training model is "
                                f"exported{f' (its checkpoint: {where})' if where else ''}; the QAT weights stay in "
                                "the module (export.export_best=false exports them)")
             yield pl_module
         finally:
-            pl_module.load_state_dict(qat_state)  # the module keeps what QAT trained, whatever was exported
+            if qat_state is not None:  # the module keeps what QAT trained, whatever was exported
+                pl_module.load_state_dict(qat_state)
 
     @staticmethod
     def _save_ptq(trainer: L.Trainer, ckpt: Optional[str], state: dict) -> Optional[str]:
