@@ -18,7 +18,7 @@ from typing import Any
 import onnx
 import torch
 
-from lq.export.trace import _symbolic
+from lq.export.trace import _optimize, _symbolic
 from lq.export._ir import all_nodes
 
 def export_dynamo(model, args, opset, input_names, output_names, dims) -> onnx.ModelProto:
@@ -37,14 +37,15 @@ def export_dynamo(model, args, opset, input_names, output_names, dims) -> onnx.M
             export, shapes_for = core
             shapes, rename = shapes_for(kw.get("dynamic_shapes"))
             prog = export(model, args, registry=_registry(max(opset, 18), table), dynamic_shapes=shapes,
-                          input_names=input_names, output_names=output_names, optimize=True, verbose=False,
+                          input_names=input_names, output_names=output_names, optimize=False, verbose=False,
                           opset_version=max(opset, 18))
             if rename and shapes is not None:  # the axes named as the user named them, as torch.onnx.export does
                 prog._rename_dynamic_axes(kw["dynamic_shapes"])
         else:
             prog = torch.onnx.export(model, args, dynamo=True, opset_version=max(opset, 18),
                                      custom_translation_table=table, input_names=input_names,
-                                     output_names=output_names, optimize=True, verbose=False, **kw)
+                                     output_names=output_names, optimize=False, verbose=False, **kw)
+        _optimize.optimize(prog)  # the exporter's clean-up without its rewrite that grows with the graph's square
     return prog.model_proto
 
 
