@@ -152,6 +152,34 @@ def test_the_quantizer_after_a_clip_moves_before_it_exactly(lo, hi, scale, t):
     np.testing.assert_array_equal(_run(new, x), ref)
 
 
+def test_every_site_of_a_deep_graph_is_hoisted_in_a_few_walks():
+    """100 blocks of conv -> ReLU -> MaxPool(1x1) -> Q -> DQ: the quantizer moves two ops up in every block (200 moves;
+    the pass once stopped after 64, leaving the deeper blocks' convs in float), and the file equals the graph before
+    the rewrite."""
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], _grid(0.05, 0, INT8), "x"
+    for i in range(100):
+        inits.append(numpy_helper.from_array((rng.standard_normal((4, 4, 1, 1)) * 0.5).astype(np.float32), f"w{i}"))
+        nodes += [helper.make_node("Conv", [x, f"w{i}"], [f"c{i}"]),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"]),
+                  helper.make_node("MaxPool", [f"r{i}"], [f"m{i}"], kernel_shape=[1, 1]),
+                  helper.make_node("QuantizeLinear", [f"m{i}", "s", "z"], [f"q{i}"]),
+                  helper.make_node("DequantizeLinear", [f"q{i}", "s", "z"], ["y" if i == 99 else f"d{i}"])]
+        x = f"d{i}"
+    model = _model(nodes, inits, TensorProto.FLOAT, TensorProto.FLOAT)
+    g = Graph(onnx.ModelProto.FromString(model.SerializeToString()))
+    assert hoist_quantizers(g) == 200
+    new = g.finalize()
+    readers = {}
+    for n in new.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n.op_type)
+    convs = [n for n in new.graph.node if n.op_type == "Conv"]
+    assert len(convs) == 100 and all(readers[c.output[0]] == ["QuantizeLinear"] for c in convs)
+    xin = rng.standard_normal((2, 4, 3, 3)).astype(np.float32)
+    np.testing.assert_array_equal(_run(new, xin), _run(model, xin))
+
+
 # ================================================ exported models (bench.ordinary's MobileNetV2 block)
 class Clamp(nn.Module):
     def forward(self, x):

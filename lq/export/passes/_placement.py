@@ -76,63 +76,78 @@ def hoist_quantizers(g: Graph) -> int:
     ``DQ -> f -> Q`` (f in int8; a ReLU/Clip there then runs on the integers: :func:`clips_on_integers`).
     """
     moved = 0
-    for _ in range(64):
-        prod, cons = g.producers(), g.consumers()
-        did = False
-        for f in list(g.nodes):
-            if not commutes(f.op_type, f) or f.domain not in ("", "ai.onnx"):
+    for _ in range(64):  # sweeps: a chain of k commuting ops needs k of them, not one per site
+        done = _hoist_sweep(g)
+        moved += done
+        if not done:
+            break
+    return moved
+
+
+def _hoist_sweep(g: Graph) -> int:
+    """One walk of :func:`hoist_quantizers` over the graph: every site whose tensors no earlier move of this walk
+    touched (those wait for the next walk), the new nodes put in place once at the end (one linear walk, however
+    many sites a model has)."""
+    prod, cons = g.producers(), g.consumers()
+    touched: set[str] = set()
+    before: dict[int, list] = {}  # id(node) -> nodes to insert before it
+    moved = 0
+    for f in g.nodes:
+        if not commutes(f.op_type, f) or f.domain not in ("", "ai.onnx"):
+            continue
+        t = f.output[0]
+        u_in = f.input[0]
+        if t in touched or u_in in touched:
+            continue
+        shape_of_t, users = _shape_readers_apart(cons.get(t, []))
+        if not users or t in g.graph_outputs or any(u.op_type != "QuantizeLinear" for u in users):
+            continue
+        q = users[0]
+        if any(not same_q(g, q, u) for u in users[1:]):
+            continue
+        s, z, dt = _qparams(g, q)
+        if s is None or s.ndim != 0:
+            continue
+        p = prod.get(u_in)
+        shape_of_in, others = _shape_readers_apart(c for c in cons.get(u_in, []) if c is not f)
+        if others and p is not None and all(c.op_type == "QuantizeLinear" and same_q(g, q, c) for c in others):
+            if others[0].output[0] in touched:
                 continue
-            t = f.output[0]
-            shape_of_t, users = _shape_readers_apart(cons.get(t, []))
-            if not users or t in g.graph_outputs or any(u.op_type != "QuantizeLinear" for u in users):
-                continue
-            q = users[0]
-            if any(not same_q(g, q, u) for u in users[1:]):
-                continue
-            s, z, dt = _qparams(g, q)
-            if s is None or s.ndim != 0:
-                continue
-            u_in = f.input[0]
-            p = prod.get(u_in)
-            shape_of_in, others = _shape_readers_apart(c for c in cons.get(u_in, []) if c is not f)
-            if others and p is not None and all(c.op_type == "QuantizeLinear" and same_q(g, q, c) for c in others):
-                # the input is quantized on the same grid already (a U-Net skip tensor: max-pooled into the next
-                # conv and quantized for the concat): f reads that quantized value, the input keeps one reader
-                dq_out = g.fresh(f"{others[0].name}_shared_dq")
-                dq = g.make_node("DequantizeLinear", [others[0].output[0], q.input[1], q.input[2]], [dq_out],
-                                 hint=f"{others[0].name}_shared_dq", like=q)
-                f.input[0] = dq_out
-                g.nodes.insert(g.nodes.index(f), dq)
-                for c in shape_of_t:
-                    c.input[0] = q.output[0]
-                moved += 1
-                did = True
-                break
-            if p is None or u_in in g.graph_outputs or others:
-                continue
-            if not (produces(p.op_type) or commutes(p.op_type, p)):
-                continue
-            if p.op_type == "DequantizeLinear":
-                continue
-            # insert Q/DQ between p and f
-            q_out = g.fresh(f"{q.name}_hoisted_q")
-            dq_out = g.fresh(f"{q.name}_hoisted_dq")
-            new_q = g.make_node("QuantizeLinear", [u_in, q.input[1], q.input[2]], [q_out], hint=f"{q.name}_hoisted",
-                                like=q)
-            new_dq = g.make_node("DequantizeLinear", [q_out, q.input[1], q.input[2]], [dq_out],
-                                 hint=f"{q.name}_hoisted_dq", like=q)
+            # the input is quantized on the same grid already (a U-Net skip tensor: max-pooled into the next
+            # conv and quantized for the concat): f reads that quantized value, the input keeps one reader
+            dq_out = g.fresh(f"{others[0].name}_shared_dq")
+            dq = g.make_node("DequantizeLinear", [others[0].output[0], q.input[1], q.input[2]], [dq_out],
+                             hint=f"{others[0].name}_shared_dq", like=q)
             f.input[0] = dq_out
-            for c in shape_of_in:
-                c.input[0] = q_out
+            before.setdefault(id(f), []).append(dq)
             for c in shape_of_t:
                 c.input[0] = q.output[0]
-            idx = g.nodes.index(f)
-            g.nodes[idx:idx] = [new_q, new_dq]
+            touched |= {t, u_in, q.output[0], others[0].output[0]}
             moved += 1
-            did = True
-            break
-        if not did:
-            break
+            continue
+        if p is None or u_in in g.graph_outputs or others:
+            continue
+        if not (produces(p.op_type) or commutes(p.op_type, p)):
+            continue
+        if p.op_type == "DequantizeLinear":
+            continue
+        # insert Q/DQ between p and f
+        q_out = g.fresh(f"{q.name}_hoisted_q")
+        dq_out = g.fresh(f"{q.name}_hoisted_dq")
+        new_q = g.make_node("QuantizeLinear", [u_in, q.input[1], q.input[2]], [q_out], hint=f"{q.name}_hoisted",
+                            like=q)
+        new_dq = g.make_node("DequantizeLinear", [q_out, q.input[1], q.input[2]], [dq_out],
+                             hint=f"{q.name}_hoisted_dq", like=q)
+        f.input[0] = dq_out
+        for c in shape_of_in:
+            c.input[0] = q_out
+        for c in shape_of_t:
+            c.input[0] = q.output[0]
+        before.setdefault(id(f), []).extend([new_q, new_dq])
+        touched |= {t, u_in, q.output[0]}
+        moved += 1
+    if before:
+        g.nodes[:] = [m for n in g.nodes for m in (*before.get(id(n), ()), n)]
     return moved
 
 
