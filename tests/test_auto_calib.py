@@ -50,6 +50,53 @@ def test_role_wildcards_numeric_indices():
     assert role("blocks.10.fc1") == "blocks.*.fc1" and role("head") == "head" and role("stem.0") == "stem.*"
 
 
+def test_coarse_role_wildcards_the_numbers_of_the_blocks_around_a_layer():
+    from lq.auto_calib import coarse_role
+
+    assert coarse_role("features.denseblock3.denselayer12.conv1") == "features.denseblock*.denselayer*.conv1"
+    assert coarse_role("features.transition2.conv") == "features.transition*.conv"
+    assert coarse_role("layer1.0.conv1") == "layer*.*.conv1" and coarse_role("conv1") == "conv1"
+
+
+class NumberedBlocks(nn.Module):
+    """``n`` residual blocks named ``block1`` ... (as torchvision's DenseNet names its layers), two Linears each: one
+    role per layer under :func:`role`."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        for i in range(1, n + 1):
+            self.add_module(f"block{i}", nn.ModuleDict({"fc1": nn.Linear(64, 64), "fc2": nn.Linear(64, 64)}))
+        self.head = nn.Linear(64, 10)
+        self.n = n
+
+    def forward(self, x):
+        for i in range(1, self.n + 1):
+            b = getattr(self, f"block{i}")
+            x = x + b["fc2"](torch.relu(b["fc1"](x)))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("n", [7, 12])
+def test_many_numbered_blocks_choose_by_block_position(n):
+    """7 blocks: 15 roles, each searched on its own (every bench model has at most 10); 12 blocks: 25 roles, over
+    the limit, so the blocks' numbers are wildcarded: 3 roles, 10 evaluations instead of 76."""
+    from lq.auto_calib import MAX_ROLES
+
+    torch.manual_seed(0)
+    model = NumberedBlocks(n).eval()
+    batches = _digits()
+    quantize_model(model, glue=False)
+    res = calibrate_model(model, batches, method="auto", progress=False)
+    roles = set(res.auto.chosen)
+    if 2 * n + 1 <= MAX_ROLES:
+        assert roles == {f"block{i}.fc{j}" for i in range(1, n + 1) for j in (1, 2)} | {"head"}
+    else:
+        assert roles == {"block*.fc1", "block*.fc2", "head"}
+    assert len(res.auto.trace) == 1 + 3 * len(roles)  # max everywhere, then three candidates per role
+    chosen = {q.auto_method for n_, q in _input_quantizers(model).items() if n_.startswith("block")}
+    assert chosen <= set(res.auto.chosen.values())
+
+
 def _input_quantizers(model):
     return {n: m for n, m in model.named_modules()
             if isinstance(m, TensorQuantizer) and not n.endswith("weight_quantizer") and ".lq_glue." not in n
