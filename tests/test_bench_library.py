@@ -37,6 +37,8 @@ def _ratio_ok(s: dict) -> bool:
 def test_every_model_has_its_row(run):
     from bench import library as L
 
+    FAST = (L.LQ_ORT, L.ORT_QS, L.NNCF)  # the files of a --fast run besides FP32's
+    assert L.lq_recipes(True) == ((L.LQ_ORT, "int8_onnxruntime"),) and L.lq_recipes(False) == L.LQ_RECIPES
     res, _, _ = run
     assert res["fast"] is True
     assert [r["model"] for r in res["rows"]] == [s.label for s in L.MODELS]
@@ -44,13 +46,13 @@ def test_every_model_has_its_row(run):
         name = r["model"]
         assert r["metric"] in ("accuracy", "IoU"), name
         # every file was made and measured: FP32, lq's recipes, onnxruntime's quantize_static, NNCF's quantize
-        assert set(r["quality"]) == {L.FP32, L.FP32_LEGACY, *L.CONTENDERS}, (name, r["quality"], r["verified"],
-                                                                              r["notes"])
+        # (--fast: lq's file is the default recipe's, int8_onnxruntime, the one the targets judge)
+        assert set(r["quality"]) == {L.FP32, L.FP32_LEGACY, *FAST}, (name, r["quality"], r["verified"], r["notes"])
         for k, v in [*r["quality"].items(), *r["quality_torch"].items()]:
             assert isinstance(v, float) and 0.0 <= v <= 1.0, (name, k, v)
         assert set(r["speedup"]) == {"1", "8"}, name  # --fast: batch 1 and 8
         for b, sp in r["speedup"].items():
-            assert set(sp) == {L.FP32_LEGACY, *L.CONTENDERS}, (name, b, sp)
+            assert set(sp) == {L.FP32_LEGACY, *FAST}, (name, b, sp)
             assert all(_ratio_ok(s) for s in sp.values()), (name, b, sp)
             assert r["ms_fp32"][b]["median"] > 0, (name, b)
         # the FP32 file is the trained model: its onnxruntime quality is PyTorch's (two test images may differ)
@@ -58,7 +60,8 @@ def test_every_model_has_its_row(run):
         for f in (L.FP32, L.FP32_LEGACY):
             assert abs(r["quality"][f] - r["quality_torch"]["FP32"]) <= allowed, (name, f, r["quality"])
         # lq's verification is recorded either way, with the error text when it failed
-        for c, _ in L.LQ_RECIPES:
+        assert set(r["verified"]) == {L.LQ_ORT}, (name, r["verified"])
+        for c, _ in L.lq_recipes(True):
             v = r["verified"][c]
             assert isinstance(v["verified"], bool) and (v["verified"] or v["error"]), (name, c, v)
         # conv/gemm kernels counted in the graph onnxruntime runs, and lq's report of its own layers
@@ -68,9 +71,9 @@ def test_every_model_has_its_row(run):
         assert k[L.ORT_QS]["integer"] >= 1, (name, k[L.ORT_QS])
         # NNCF's own PTQ file (issue 40's accuracy peer) is quantized (made for OpenVINO: onnxruntime may run it float)
         assert any(op.startswith(("QuantizeLinear", "QLinear")) for op in k[L.NNCF]["ops"]), (name, k[L.NNCF])
-        for c in L.CONTENDERS:
+        for c in FAST:
             assert 0 <= k[c]["integer"] and k[c]["integer"] + k[c]["float"] >= 1, (name, c, k[c])
-        for c, _ in L.LQ_RECIPES:
+        for c, _ in L.lq_recipes(True):
             lk = r["kernels"][c]
             assert 1 <= lk["layers"] and 0 <= lk["integer"] <= lk["layers"], (name, c, lk)
             assert len(lk["float"]) == lk["layers"] - lk["integer"], (name, c, lk)
