@@ -81,22 +81,24 @@ CONTENDERS = (LQ_DEFAULT, LQ_REDUCE, LQ_ORT, ORT_QS, NNCF)
 #: lq's files: (column, recipe applied with QuantSwap as the callback does); the targets judge LQ_ORT, the recipe
 #: for onnxruntime (what QuantCallback(), quantize_model(model) and lq-train use when given none)
 LQ_RECIPES = ((LQ_DEFAULT, "int8_per_channel"), (LQ_REDUCE, "int8_reduce_range"), (LQ_ORT, "int8_onnxruntime"))
+JUDGED = LQ_ORT
+#: each contender's short name in the summary table's kernel and verification columns
+SHORT = {LQ_DEFAULT: "lq", LQ_REDUCE: "rr", LQ_ORT: "ort", ORT_QS: "qs", NNCF: "nncf"}
+#: integer conv/gemm kernels, and the float ones, in the graph onnxruntime runs (after its fusions)
+INT_CONV_GEMM = ("QLinearConv", "QGemm", "QLinearMatMul", "MatMulIntegerToFloat", "ConvInteger", "MatMulInteger",
+                 "DynamicQuantizeMatMul")
+FLOAT_CONV_GEMM = ("Conv", "FusedConv", "NhwcFusedConv", "Gemm", "FusedGemm", "MatMul", "FusedMatMul")
 
 
 def lq_recipes(fast: bool) -> tuple[tuple[str, str], ...]:
     """lq's files a run makes: every recipe, or in ``--fast`` the one the targets judge (the other recipes' exports
     are the suite's own tests; the smoke run's time goes to the path users take)."""
-    return tuple(r for r in LQ_RECIPES if r[0] == LQ_ORT) if fast else LQ_RECIPES
+    return tuple(r for r in LQ_RECIPES if r[0] == JUDGED) if fast else LQ_RECIPES
 
 
 def contenders(rows: list[dict]) -> tuple[str, ...]:
     """The :data:`CONTENDERS` the rows hold (``--fast`` makes one of lq's recipes)."""
     return tuple(c for c in CONTENDERS if c not in dict(LQ_RECIPES) or any(c in r["verified"] for r in rows))
-JUDGED = LQ_ORT
-#: integer conv/gemm kernels, and the float ones, in the graph onnxruntime runs (after its fusions)
-INT_CONV_GEMM = ("QLinearConv", "QGemm", "QLinearMatMul", "MatMulIntegerToFloat", "ConvInteger", "MatMulInteger",
-                 "DynamicQuantizeMatMul")
-FLOAT_CONV_GEMM = ("Conv", "FusedConv", "NhwcFusedConv", "Gemm", "FusedGemm", "MatMul", "FusedMatMul")
 
 
 # =========================================================================== building blocks, torchvision-style
@@ -823,12 +825,11 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: 
              "report's integer layers / quantized layers.", "",
              f"## Summary (CPU: {cpu})", ""]
     present = contenders(rows)
-    made = [(c, short) for c, short in zip(CONTENDERS, ("lq", "rr", "ort", "qs", "nncf"), strict=True) if c in present]
     head = ["model", "FP32 ms b" + "/".join(map(str, bs)), f"FP32 {'/'.join(sorted({r['metric'] for r in rows}))}"]
     for c in present:
         head.append(f"{c}: speed-up b{'/'.join(map(str, bs))}, quality")
-    ran = [(c, short) for c, short in made if c in dict(LQ_RECIPES)]
-    head += ["integer conv/gemm in onnxruntime's graph", f"lq verified ({'; '.join(short for _, short in ran)})"]
+    ran = [c for c in present if c in dict(LQ_RECIPES)]
+    head += ["integer conv/gemm in onnxruntime's graph", f"lq verified ({'; '.join(SHORT[c] for c in ran)})"]
     body = []
     for r in rows:
         line = [r["model"], " / ".join(f"{r['ms_fp32'][str(b)]['median'] * 1e3:.2f}" for b in bs),
@@ -837,8 +838,8 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: 
             sp = [r["speedup"][str(b)].get(c) for b in bs]
             line.append("failed" if sp[0] is None else
                         " / ".join(f"{s['median']:.2f}x" for s in sp) + f", {_q(r, r['quality'].get(c))}")
-        line.append(", ".join(f"{short} {_ort_counts(r, c)}" for c, short in made))
-        line.append("; ".join("yes" if r["verified"].get(c, {}).get("verified") else "**no**" for c, _ in ran))
+        line.append(", ".join(f"{SHORT[c]} {_ort_counts(r, c)}" for c in present))
+        line.append("; ".join("yes" if r["verified"].get(c, {}).get("verified") else "**no**" for c in ran))
         body.append(line)
     lines += [_report.table(head, body, "lr" + "r" * (len(head) - 2)), ""]
     lines += [f"## Targets of issue 27, judged on lq's recipe for onnxruntime, int8_onnxruntime (CPU: {cpu})", "",
