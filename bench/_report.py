@@ -68,7 +68,7 @@ def machine() -> dict:
         info["load_average"] = " ".join(f"{v:.1f}" for v in os.getloadavg())
     except OSError:
         pass
-    for mod in ("onnxruntime", "onnx", "transformers", "lightning", "sklearn"):
+    for mod in ("onnxruntime", "onnx", "openvino", "nncf", "transformers", "lightning", "sklearn"):
         try:
             info[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001 - optional
@@ -223,6 +223,13 @@ def finish_run(out: Path, name: str, data: dict, title: str, intro: str, table_m
                              machine_markdown(info, cmd, seconds)]) + "\n")
     print(f"\nwrote {md} ({seconds:.0f} s)")
     return md
+
+
+def print_targets(targets: Sequence[tuple[str, str, bool]], md: Path, seconds: float) -> None:
+    """The end of a bench with targets: one PASS/MISS line per target, then where the markdown went."""
+    for what, measured, ok in targets:
+        print(f"{'PASS' if ok else 'MISS'}  {what}: {measured}")
+    print(f"\nwrote {md} ({seconds:.0f} s)")
 
 
 def log(msg: str) -> None:

@@ -922,9 +922,7 @@ def main(argv=None) -> int:
                                               "fast": args.fast, "seconds": seconds, "targets": targets(rows)})
     md = write_markdown(rows, out, cmd, seconds, args.fast)
     print(f"\nCPU: {cpu_name(_report.machine())}")
-    for a, b, c in targets(rows):
-        print(f"{'PASS' if c else 'MISS'}  {a}: {b}")
-    print(f"\nwrote {md} ({seconds:.0f} s)")
+    _report.print_targets(targets(rows), md, seconds)
     return 0
 
 

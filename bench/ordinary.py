@@ -704,9 +704,7 @@ def main(argv=None) -> int:
                                                "seconds": seconds, "targets": targets(rows)})
     md = write_markdown(rows, out, cmd, seconds)
     print()
-    for a, b, c in targets(rows):
-        print(f"{'PASS' if c else 'MISS'}  {a}: {b}")
-    print(f"\nwrote {md} ({seconds:.0f} s)")
+    _report.print_targets(targets(rows), md, seconds)
     return 0
 
 

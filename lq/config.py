@@ -29,11 +29,16 @@ CALIB_DATALOADERS = ("train", "val")
 BLOCK_METHODS = ("auto", "max", "mse", "awq", "gptq")
 LR_POLICIES = ("auto", "none", "cosine")
 EXPORTERS = ("dynamo", "legacy")
-EXPORT_TARGETS = ("onnxruntime", "tensorrt")
+EXPORT_TARGETS = ("onnxruntime", "tensorrt", "openvino")
 WEIGHT_FORMATS = ("int8", "qdq")
 #: files an export path must not overwrite: what a user trained
 CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
 RECURRENT_MODES = ("scan", "dynamic")
+#: the layers :class:`Int8OpenvinoConfig` quantizes: those with weights, whose inputs OpenVINO runs on int8, and max
+#: pools (OpenVINO pools the integers and moves the quantizer across); average pools, norms and lq's explicit add/cat
+#: modules stay float there: their quantizers ran as separate FakeQuantizes, which cost more than they saved
+OPENVINO_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+                  "MaxPool1d", "MaxPool2d", "MaxPool3d", "LSTM", "LSTMCell", "MultiheadAttention")
 
 
 def _choice(owner: str, name: str, value, allowed) -> None:
@@ -276,6 +281,27 @@ class Int8OnnxruntimeConfig(QuantConfig):
 
 
 @dataclass
+class Int8OpenvinoConfig(QuantConfig):
+    """INT8 on OpenVINO's CPU plugin: symmetric activations (zero point 0), 8-bit symmetric per-channel weights.
+
+    OpenVINO runs a Q/DQ file's convolutions and matmuls on int8 where their input and weights are quantized,
+    and fuses the quantizer after a layer into it. Measured (``python -m bench.openvino``): an activation grid
+    with a non-zero zero point runs a third to half slower than with none (depthwise convs most), so every
+    activation is symmetric; a ReLU's output quantizes on ``[0, 255]`` (``unsigned_after_relu``), the rest on
+    ``[-128, 127]`` (``narrow_range=False``: QuantizeLinear's own range, no clamping op). Only the layers' inputs
+    and weights are quantized, and max pools' inputs (``glue=False``, :data:`OPENVINO_TYPES`): a quantizer on a
+    tensor that a float op also reads (a residual add's operand, a pooled squeeze-excite input) runs as a separate
+    FakeQuantize, which costs more than the integer op saves.
+    Standard ONNX ops only (no com.microsoft kernels): LSTMs as Scan loops.
+    """
+
+    input: QuantizerConfig = field(default_factory=lambda: QuantizerConfig(narrow_range=False))
+    types: Optional[List[str]] = field(default_factory=lambda: list(OPENVINO_TYPES))
+    glue: bool = False
+    unsigned_after_relu: bool = True
+
+
+@dataclass
 class FP8Config(QuantConfig):
     """FP8 E4M3 inputs (per tensor) and weights (per channel)."""
 
@@ -305,6 +331,7 @@ RECIPES = {
     "int8_per_channel": Int8PerChannelConfig,
     "int8_reduce_range": Int8ReduceRangeConfig,
     "int8_onnxruntime": Int8OnnxruntimeConfig,
+    "int8_openvino": Int8OpenvinoConfig,
     "fp8": FP8Config,
     "int4_block_weight": Int4BlockWeightConfig,
 }
@@ -472,10 +499,12 @@ class ExportConfig:
             output quantization steps and top-1 agreement, see ``export_onnx``).
         rtol: with ``tolerance``, also allow ``rtol * max|output|``.
         target: ``onnxruntime`` (uint8 activations, 8-bit weights: what its QLinear kernels fuse, encoded so
-            no CPU's int16 intermediates saturate) or ``tensorrt`` (int8 zero-point-0 Q/DQ everywhere, as
-            TensorRT expects).
-        weight_format: ``int8`` (int8 initializers + DequantizeLinear; onnxruntime's default) or ``qdq`` (float
-            weights + QuantizeLinear + DequantizeLinear; TensorRT's default); None: the target's default.
+            no CPU's int16 intermediates saturate), ``tensorrt`` (int8 zero-point-0 Q/DQ everywhere, as
+            TensorRT expects) or ``openvino`` (standard ONNX Q/DQ with zero point 0, int8 weights; verified and
+            timed in OpenVINO's CPU plugin with the f32 precision hint: ``pip install lq[openvino]``).
+        weight_format: ``int8`` (int8 initializers + DequantizeLinear; onnxruntime's and OpenVINO's default) or
+            ``qdq`` (float weights + QuantizeLinear + DequantizeLinear; TensorRT's default); None: the target's
+            default.
         input_names, output_names: graph input/output names (None: ``input``/``output``, numbered when several).
         dynamic_batch: make dim 0 of inputs and outputs dynamic.
         dynamic_spatial: make the inputs' spatial dims (H, W) dynamic as well as the batch, for fully
@@ -561,8 +590,9 @@ class ExportConfig:
         return self.exporter == "dynamo"
 
     def resolved_weight_format(self) -> str:
-        """``weight_format``, or the target's default (int8 initializers for onnxruntime, Q/DQ for TensorRT)."""
-        return self.weight_format or ("int8" if self.target == "onnxruntime" else "qdq")
+        """``weight_format``, or the target's default (int8 initializers for onnxruntime and OpenVINO, Q/DQ for
+        TensorRT)."""
+        return self.weight_format or ("qdq" if self.target == "tensorrt" else "int8")
 
 
 def _axis_names(d) -> bool:

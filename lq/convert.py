@@ -437,14 +437,15 @@ def quantize_model(
     With no descriptor (``quant_desc_input``/``quant_desc_weight``) the layers get a recipe: ``recipe`` (a name in
     :data:`lq.config.RECIPES` or a :class:`lq.config.QuantConfig`), else the one for ``target``
     (:data:`lq.recipe.TARGET_RECIPES`: ``int8_onnxruntime`` for onnxruntime, the default; ``int8_per_channel``,
-    pytorch-quantization's numbers, for tensorrt). The other arguments then change the recipe's choice. With a
+    pytorch-quantization's numbers, for tensorrt; ``int8_openvino`` for openvino). The other arguments then change the recipe's choice. With a
     descriptor, the layers get exactly what is given (and each class's default for the other role), as
     pytorch-quantization's ``quant_modules`` does.
 
     Args:
         model: the model (modified in place; the root module itself is never replaced).
         recipe: see above; not together with a descriptor.
-        target: ``onnxruntime`` or ``tensorrt``: picks the recipe when neither a recipe nor a descriptor is given.
+        target: ``onnxruntime``, ``tensorrt`` or ``openvino``: picks the recipe when neither a recipe nor a
+            descriptor is given.
         type_map: ``{float class: quantized class}`` (a value of None means lq's class for
             that type), or a list of float classes; default :data:`DEFAULT_TYPE_MAP`
             (every type lq can quantize). Matching is by exact type.

@@ -17,11 +17,13 @@ from lq.config import EXPORT_TARGETS, RECIPES, QuantConfig
 
 #: what lq's own entry points quantize with when given no recipe, by where the model will run: onnxruntime's CPU
 #: kernels' own grids (asymmetric uint8 activations, 7-bit weights, no clamping op in the file) for onnxruntime,
-#: pytorch-quantization's symmetric INT8 (zero point 0 everywhere, 8-bit per-channel weights) for TensorRT
-TARGET_RECIPES = {"onnxruntime": "int8_onnxruntime", "tensorrt": "int8_per_channel"}
+#: pytorch-quantization's symmetric INT8 (zero point 0 everywhere, 8-bit per-channel weights) for TensorRT, symmetric
+#: activations on the layers' inputs only for OpenVINO
+TARGET_RECIPES = {"onnxruntime": "int8_onnxruntime", "tensorrt": "int8_per_channel", "openvino": "int8_openvino"}
 #: with learned ranges (``QATConfig.learn_amax``): symmetric grids, which PACT-style clipping learns; asymmetric
 #: learned ranges are not built, so onnxruntime gets its fastest symmetric recipe
-LEARNED_RANGE_RECIPES = {"onnxruntime": "int8_reduce_range", "tensorrt": "int8_per_channel"}
+LEARNED_RANGE_RECIPES = {"onnxruntime": "int8_reduce_range", "tensorrt": "int8_per_channel",
+                         "openvino": "int8_openvino"}
 assert set(TARGET_RECIPES) == set(LEARNED_RANGE_RECIPES) == set(EXPORT_TARGETS)
 
 

@@ -57,12 +57,16 @@ def kernel_rows(result) -> list[tuple[str, str, str, str]]:
                    for layer in getattr(result, "float_fallback", [])]
 
 
-def kernel_table(result, title: str = "what onnxruntime runs for each quantized layer"):
-    """A rich table: layer, exported op, onnxruntime kernel, why float (:func:`kernel_rows`)."""
+def kernel_table(result, title: str | None = None):
+    """A rich table: layer, exported op, the kernel its runtime runs (onnxruntime's, or OpenVINO's compiled layer for
+    ``target="openvino"``), why float (:func:`kernel_rows`)."""
     from rich.table import Table
 
-    table = Table(title=title)
-    for c in ("layer", "op", "onnxruntime kernel", "why float"):
+    from lq.export.verify._verify import runtime_name
+
+    runtime = runtime_name(getattr(result, "providers", None))
+    table = Table(title=title or f"what {runtime} runs for each quantized layer")
+    for c in ("layer", "op", f"{runtime} kernel", "why float"):
         table.add_column(c)
     for row in kernel_rows(result):
         table.add_row(*row)

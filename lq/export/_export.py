@@ -22,10 +22,11 @@ import time
 import warnings
 
 import onnx
+import torch
 
 from lq import progress as lq_progress
 from lq.config import EXPORT_TARGETS, EXPORTERS, WEIGHT_FORMATS, ExportConfig, coerce
-from lq.export._files import atomic_save, short
+from lq.export._files import atomic_save, short, unverified_path
 from lq.export.passes import _pipeline
 from lq.export.prepare import _prepare
 from lq.export.prepare._model_checks import find_uncalibrated_quantizers  # noqa: F401  (public)
@@ -34,7 +35,7 @@ from lq.export.report._result import ExportResult, VerificationError  # noqa: F4
 from lq.export.timing import _fallback, _float_twin, _speed
 from lq.export.trace import _bypass, _trace
 from lq.export.finish import _finish
-from lq.export.verify import _judge, _verify
+from lq.export.verify import _judge, _runtime_faults, _verify
 
 TARGETS = EXPORT_TARGETS
 __all__ = ["export_onnx", "export_config", "EXPORTERS", "TARGETS", "WEIGHT_FORMATS"]
@@ -120,8 +121,9 @@ def export_onnx(model, sample_input, path=None, config: ExportConfig | None = No
 
 
 def _timed(cfg: ExportConfig) -> bool:
-    """Whether the export times its file against FP32 (and may fall back): a verified onnxruntime file."""
-    return cfg.verify and cfg.check_fusion and cfg.target == "onnxruntime" and cfg.speed_check
+    """Whether the export times its file against FP32 (and may fall back): a verified file for a CPU runtime
+    (onnxruntime, OpenVINO), timed in that runtime."""
+    return cfg.verify and cfg.check_fusion and cfg.target in ("onnxruntime", "openvino") and cfg.speed_check
 
 
 #: the export's stages, in order, as ExportResult.stage_seconds names them
@@ -144,14 +146,17 @@ class _Stages:
 
 
 def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfig, t0: float,
-                stages: _Stages | None = None) -> ExportResult:
+                stages: _Stages | None = None, faults_left: int = _runtime_faults.MAX_FAULTS) -> ExportResult:
     """Stages 3-7 on a traced graph: rewrite, finish, verify, save, report, and (where timed) the speed check and
-    the fallback. ``traced.proto`` is rewritten in place."""
+    the fallback. ``traced.proto`` is rewritten in place. ``faults_left``: how many more layers OpenVINO computes
+    wrong may be sent to float (:func:`_around_fault`)."""
     stages = stages or _Stages(None, t0)
     notes = list(traced.notes)
     timed = _timed(cfg)
     twin = _float_twin.float_twin(traced.proto) if timed else None  # recurrent layers as ONNX LSTM, as in FP32
-    pristine = _copy(traced.proto) if timed and cfg.fallback_seconds > 0 else None  # the fallback's tries start here
+    # the fallback's tries start here, and for OpenVINO the export without a layer its plugin computes wrong
+    keep = (timed and cfg.fallback_seconds > 0) or (cfg.target == "openvino" and cfg.verify and faults_left > 0)
+    pristine = _copy(traced.proto) if keep else None
 
     proto, rewrite = _pipeline.rewrite(traced.proto, cfg, prep.opset)
     notes += rewrite.notes
@@ -161,10 +166,18 @@ def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfi
     export_seconds = time.perf_counter() - t0
     stages.done("rewrite")
 
-    providers = list(cfg.providers) if cfg.providers else _verify.default_providers(prep.device_type)
+    providers = list(cfg.providers) if cfg.providers else _verify.target_providers(cfg.target, prep.device_type)
     data = proto.SerializeToString()  # the file as it will be deployed: verified and timed from these bytes
-    verified = _judge.verify(proto, data, prep, cfg, providers, traced.unrolled, bool(rewrite.dynamic_lstms)) \
-        if cfg.verify else None
+    try:
+        verified = _judge.verify(proto, data, prep, cfg, providers, traced.unrolled, bool(rewrite.dynamic_lstms)) \
+            if cfg.verify else None
+    except VerificationError:
+        if cfg.target != "openvino" or pristine is None or faults_left <= 0:
+            raise
+        kept = _around_fault(prep, dataclasses.replace(traced, proto=pristine), cfg, proto, seen, t0, faults_left)
+        if kept is None:
+            raise
+        return kept
     stages.done("verify")
     atomic_save(proto, cfg.path)
     ort_ops, kernels = _report.kernels(proto, cfg, providers, seen, notes)
@@ -176,6 +189,9 @@ def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfi
     timer = _speed.Timer.make(prep, cfg, twin, providers, timing_notes)
     stages.done("fp32 reference")
     speed = _speed.speed_check(data, timer, timing_notes)
+    bf16 = _speed.bf16_note(data, timer) if speed is not None else None
+    if bf16:
+        notes.append(bf16)
     stages.done("speed check")
     notes += timing_notes
     fallback = None
@@ -196,6 +212,50 @@ def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfi
                          export_seconds, stages.seconds)
     res.fallback = fallback
     return _warn_if_slower(res)
+
+
+def _export_without(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfig, off, t0: float,
+                    faults_left: int = 0, fidelity: bool = False) -> ExportResult:
+    """The export of a copy of the model with the quantizers ``off`` turned off, saved at ``cfg.path`` once it
+    verifies: the export's own trace with those quantizers passing their input on (:mod:`lq.export.trace._bypass`)
+    where the trace names them, else a trace of the copy. ``fidelity``: refuse a copy whose outputs move more than
+    the fallback allows (:func:`lq.export.timing._fallback.check_fidelity`)."""
+    candidate = copy.deepcopy(prep.work)
+    _fallback.disable(candidate, sorted(off))
+    cand = _prepare.prepare(candidate, prep.args, cfg)
+    if fidelity:
+        _fallback.check_fidelity(cand.cases[0][1], prep.cases[0][1])
+    shared = _bypass.without(traced.proto, prep.work, off) if cfg.dynamo else None
+    if shared is not None:
+        try:
+            return _from_trace(cand, dataclasses.replace(traced, proto=shared), cfg, t0, faults_left=faults_left)
+        except VerificationError:  # the shared trace was not the copy's after all: trace the copy
+            pass
+    return _from_trace(cand, _trace.trace(cand, cfg), cfg, t0, faults_left=faults_left)
+
+
+def _around_fault(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfig, proto: onnx.ModelProto,
+                  seen, t0: float, faults_left: int) -> ExportResult | None:
+    """A file OpenVINO's output failed verification on: where OpenVINO computes one layer of it wrong
+    (:func:`lq.export.verify._runtime_faults.first_fault`, onnxruntime as the reference on the same file), the
+    export of the model with that layer in float, verified in OpenVINO in turn (another such layer: again, up to
+    ``MAX_FAULTS``), said in its warnings. None where no layer is at fault (the verification error stands)."""
+    feeds = [a.numpy() for a in prep.cases[0][0] if isinstance(a, torch.Tensor)]
+    try:
+        fault = _runtime_faults.first_fault(proto, feeds, seen.layer_of)
+        off = [q for q in _fallback.call_order(prep.work, prep.args) if _fallback.owner(q) == fault.layer] \
+            if fault is not None else []
+    except Exception:  # noqa: BLE001 - the diagnosis failed: the verification error stands
+        return None
+    if not off:
+        return None
+    res = _export_without(prep, traced, cfg, off, t0, faults_left=faults_left - 1)
+    res.warnings.insert(0, f"{fault.text()}: that layer stays float in the saved file ({', '.join(off)} off; "
+                           "verified in OpenVINO)")
+    unverified = unverified_path(cfg.path)
+    if os.path.exists(unverified):  # the first file's: the saved file replaces it
+        os.remove(unverified)
+    return res
 
 
 def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -241,20 +301,8 @@ def _fall_back(prep, traced, cfg: ExportConfig, providers: list, timer: _speed.T
             t0, k = time.perf_counter(), next(tries)
             if shown is not None:
                 shown.advance(0, description=f"Exporting: fallback, try {k} ({len(off)} quantizer(s) off)")
-            candidate = copy.deepcopy(prep.work)
-            _fallback.disable(candidate, sorted(off))
             cfg_try = dataclasses.replace(inner, path=os.path.join(tmp, f"try{k}.onnx"))
-            cand = _prepare.prepare(candidate, prep.args, cfg_try)
-            _fallback.check_fidelity(cand.cases[0][1], prep.cases[0][1])
-            shared = _bypass.without(traced.proto, prep.work, off) if cfg.dynamo else None
-            res = None
-            if shared is not None:
-                try:
-                    res = _from_trace(cand, dataclasses.replace(traced, proto=shared), cfg_try, t0)
-                except VerificationError:  # the shared trace was not the copy's after all: trace the copy
-                    pass
-            if res is None:
-                res = _from_trace(cand, _trace.trace(cand, cfg_try), cfg_try, t0)
+            res = _export_without(prep, traced, cfg_try, off, t0, fidelity=True)
             with open(res.path, "rb") as f:
                 return f.read(), res
 

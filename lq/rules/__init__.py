@@ -1,4 +1,5 @@
-"""Per-runtime Q/DQ rules: one table per runtime (:mod:`lq.rules.onnxruntime`, :mod:`lq.rules.tensorrt`), one
+"""Per-runtime Q/DQ rules: one table per runtime (:mod:`lq.rules.onnxruntime`, :mod:`lq.rules.tensorrt`,
+:mod:`lq.rules.openvino`), one
 entry per operator family, read by the placement on both sides (``lq.glue`` in the PyTorch model, the rewrite
 passes of ``lq.export`` in the graph). Below both: neither the modules nor the exporter own it.
 
@@ -48,9 +49,9 @@ _UNLISTED = OpRule("unlisted", ())
 
 def table(runtime: str = "onnxruntime") -> tuple[OpRule, ...]:
     """The runtime's entries, one per operator family."""
-    from lq.rules import onnxruntime, tensorrt
+    from lq.rules import onnxruntime, openvino, tensorrt
 
-    tables = {"onnxruntime": onnxruntime.RULES, "tensorrt": tensorrt.RULES}
+    tables = {"onnxruntime": onnxruntime.RULES, "tensorrt": tensorrt.RULES, "openvino": openvino.RULES}
     if runtime not in tables:
         raise ValueError(f"runtime={runtime!r} is not allowed: one of {sorted(tables)}")
     return tables[runtime]

@@ -22,7 +22,10 @@ from lq.export.passes import (_channel_affine, _dynamic_lstm, _float_convs, _fol
                               _swap_last_axes, _upsample, _weight_layout)
 
 ORT = ("onnxruntime",)
-BOTH = ("onnxruntime", "tensorrt")
+#: the passes every target runs (standard ONNX in, standard ONNX out)
+ALL = ("onnxruntime", "tensorrt", "openvino")
+#: onnxruntime's fused DynamicQuantizeLSTM is a com.microsoft op: not for OpenVINO, which reads standard ONNX
+NOT_OPENVINO = ("onnxruntime", "tensorrt")
 
 
 @dataclasses.dataclass
@@ -42,7 +45,7 @@ class Rewrite:
 class Pass:
     name: str
     run: Callable
-    targets: tuple = BOTH
+    targets: tuple = ALL
     when: Callable[[ExportConfig], bool] = lambda cfg: True
 
     def applies(self, cfg: ExportConfig) -> bool:
@@ -64,7 +67,7 @@ GRAPH_PASSES: tuple[Pass, ...] = (
     # block-quantized Linear weights -> onnxruntime's MatMulNBits kernel
     Pass("matmul_nbits", lambda g, r: r.notes.extend(_matmul_nbits.write_matmul_nbits(g)), ORT),
     Pass("dedupe_scalings", lambda g, r: _placement.dedupe_scalings(g), ORT),
-    Pass("dynamic_lstms", _dynamic_lstms),
+    Pass("dynamic_lstms", _dynamic_lstms, NOT_OPENVINO),
     Pass("fold_batchnorm", lambda g, r: r.folds.extend(_fold_bn.fold_batchnorm(g)), when=lambda cfg: cfg.fold_bn),
     Pass("split_weight_dq", lambda g, r: _weight_layout.split_weight_dq(g)),
     Pass("transpose_weight_dq", lambda g, r: _weight_layout.transpose_weight_dq(g)),
@@ -107,7 +110,7 @@ def rewrite(proto: onnx.ModelProto, cfg: ExportConfig, opset: int) -> tuple[onnx
     r = Rewrite(cfg=cfg, lower=_lower.LowerOptions(
         opset=opset, weight_format=cfg.resolved_weight_format(),
         activation_dtype="uint8" if cfg.target == "onnxruntime" else "int8",
-        narrow_clamp=cfg.target == "onnxruntime"))
+        narrow_clamp=cfg.target != "tensorrt"))
     proto = _loops.lower_recurrent(proto)  # recurrent placeholders -> Scan (bodies still hold lq placeholders)
     g = Graph(proto)
     run_graph_passes(g, r)

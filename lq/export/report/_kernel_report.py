@@ -56,10 +56,13 @@ class LayerKernel:
     op: str  # the op in the exported file
     kernel: str  # the op onnxruntime runs (QLinearConv, QGemm, MatMulIntegerToFloat ... or a float op)
     reason: str | None = None  # why it is float (None when it is an integer kernel)
+    #: whether the runtime runs it on integers, where the kernel's name does not say (OpenVINO: the precision of
+    #: its compiled layer); None: an onnxruntime op, integer when it is one of INT8_KERNELS
+    runs_integer: bool | None = None
 
     @property
     def integer(self) -> bool:
-        return self.kernel in INT8_KERNELS
+        return self.kernel in INT8_KERNELS if self.runs_integer is None else self.runs_integer
 
     @property
     def by_choice(self) -> bool:

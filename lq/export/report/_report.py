@@ -81,6 +81,8 @@ def kernels(proto: onnx.ModelProto, cfg: ExportConfig, providers: list, seen: In
     found: list = []
     if not cfg.check_fusion:
         return ort_ops, found
+    if cfg.target == "openvino":
+        return ort_ops, _openvino_kernels(proto, cfg, seen, notes)
     try:
         optimized = _verify.optimized_model(cfg.path, providers)
         ort_ops = Counter(n.op_type for n in all_nodes(optimized.graph))  # loop bodies too
@@ -102,6 +104,22 @@ def kernels(proto: onnx.ModelProto, cfg: ExportConfig, providers: list, seen: In
             notes.append(f"onnxruntime runs {n_float - n_chosen} conv/gemm/matmul in float (not quantized, or not "
                          "fused by onnxruntime): see its optimized graph")
     return ort_ops, found
+
+
+def _openvino_kernels(proto: onnx.ModelProto, cfg: ExportConfig, seen: Inspected, notes: list) -> list:
+    """The precision OpenVINO's compiled graph runs each quantized layer at; a note for those it runs in float."""
+    from lq.export.report import _openvino_kernels
+
+    try:
+        with open(cfg.path, "rb") as f:
+            found = _openvino_kernels.layer_kernels(proto, f.read(), seen.layer_of)
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        notes.append(f"could not inspect OpenVINO's compiled graph: {short(e)}")
+        return []
+    floats = list(dict.fromkeys(f"{k.layer}: {k.kernel}, {k.reason}" for k in found if not k.integer))
+    if floats:
+        notes.append(f"OpenVINO runs {len(floats)} quantized conv/gemm/matmul in float: {'; '.join(floats)}")
+    return found
 
 
 def qdq_counts(model: onnx.ModelProto) -> dict[str, int]:

@@ -84,12 +84,31 @@ def speed_check(int8_model: bytes, timer: Timer, notes: list) -> _timing.SpeedCh
         return None
 
 
+def bf16_note(int8_model: bytes, timer: Timer) -> str | None:
+    """Where OpenVINO runs "FP32" models in bf16 by default (a CPU with AMX or AVX-512 BF16), both files timed so
+    (the INT8 file's float layers then run in bf16 too): a user learns whether bf16 alone would have served. None
+    for onnxruntime, or a CPU without native bf16."""
+    from lq.export.verify import _openvino
+
+    if not _openvino.is_openvino(timer.providers) or not _openvino.has_bf16():
+        return None
+    try:
+        check = _timing.compare(int8_model, timer.fp32, timer.feeds, [_openvino.OPENVINO_BF16], batch=timer.batch,
+                                reference=timer.reference)
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        return f"could not time the files with OpenVINO's bf16 hint: {short(e, 200)}"
+    verdict = ("the INT8 file is still the faster" if check.ratio >= 1 else
+               "bf16 alone (OpenVINO's default for an FP32 model on this CPU) runs faster than the INT8 file")
+    return (f"this CPU runs bf16 natively, and OpenVINO runs an FP32 model in bf16 here unless told f32: with the bf16 "
+            f"hint the INT8 file runs at {check.ratio:.2f}x ({check.details()}): {verdict}")
+
+
 def slower_note(check: _timing.SpeedCheck, proto: onnx.ModelProto, kernels: list) -> str:
     """The warning for a file slower than FP32: the measurement, the layers that run in float between Q/DQ
     (and, when the file has Scan loops, what runs them fused)."""
     loops = sum(n.op_type == "Scan" for n in proto.graph.node)
     floats = [f"{k.layer} ({k.kernel}: {k.reason})" for k in kernels if not k.integer]
-    return (f"the INT8 file runs at {check.ratio:.2f}x the speed of {check.reference} in onnxruntime "
+    return (f"the INT8 file runs at {check.ratio:.2f}x the speed of {check.reference} in {check.runtime} "
             f"({check.details()}): "
             + (f"{len(floats)} quantized layer(s) run in float between Q/DQ: " + "; ".join(floats) if floats else
                "every quantized layer runs an integer kernel; the Q/DQ conversions cost more than they save "

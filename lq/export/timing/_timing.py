@@ -1,4 +1,5 @@
-"""Time the INT8 file against an FP32 file in onnxruntime: one measurement, one definition.
+"""Time the INT8 file against an FP32 file in onnxruntime (or OpenVINO, for its target): one measurement, one
+definition.
 
 The export's speed check (and anything else that must know whether a file is faster than FP32) calls
 :func:`compare`: both sessions take turns within every round (INT8 then FP32, then FP32 then INT8, ...),
@@ -44,8 +45,10 @@ class SpeedCheck:
         ratio_p25, ratio_p75: quartiles of the per-round ratios (FP32 over INT8 within one round).
         rounds: interleaved rounds measured; runs_per_round: runs of each file in one round.
         noisy: the rounds disagree (see :func:`summarize`); ``noise`` says how.
-        batch: the batch size the files were timed at; threads: onnxruntime intra-op threads.
+        batch: the batch size the files were timed at; threads: the runtime's intra-op threads.
         reference: what the FP32 file is (:data:`PLAIN`, or :data:`TWIN` and why).
+        runtime: where both ran (``onnxruntime``; for ``target="openvino"`` OpenVINO's CPU plugin with the f32
+            precision hint, so that its FP32 run is FP32 and not bf16).
     """
 
     ratio: float
@@ -60,6 +63,7 @@ class SpeedCheck:
     batch: int | None = None
     threads: int = 1
     reference: str = PLAIN
+    runtime: str = "onnxruntime"  # where both files ran: onnxruntime, or OpenVINO (CPU plugin, f32 precision hint)
 
     @property
     def slower(self) -> bool:
@@ -82,7 +86,7 @@ class SpeedCheck:
 
     def text(self) -> str:
         """One line: the ratio, against what, the numbers, and the noise statement when the rounds disagree."""
-        return (f"{self.ratio:.2f}x the speed of {self.reference} in onnxruntime ({self.details()})"
+        return (f"{self.ratio:.2f}x the speed of {self.reference} in {self.runtime} ({self.details()})"
                 + (f". Noisy: {self.noise}" if self.noisy else ""))
 
     __str__ = text
@@ -96,7 +100,8 @@ def _quartiles(xs: Sequence[float]) -> tuple[float, float]:
 
 
 def summarize(int8_s: Sequence[float], fp32_s: Sequence[float], *, runs_per_round: int = 1,
-              batch: int | None = None, threads: int = 1, reference: str = PLAIN) -> SpeedCheck:
+              batch: int | None = None, threads: int = 1, reference: str = PLAIN,
+              runtime: str = "onnxruntime") -> SpeedCheck:
     """The speed check from per-round times (seconds per run of each file, paired by round).
 
     ``ratio = median(fp32) / median(int8)``, with those medians as ``fp32_ms`` and ``int8_ms``. Noisy when the
@@ -126,7 +131,7 @@ def summarize(int8_s: Sequence[float], fp32_s: Sequence[float], *, runs_per_roun
         noise = "; ".join(why) + " (other load on this machine?): time again on a quiet machine before trusting it"
     return SpeedCheck(ratio=ratio, int8_ms=int8_ms, fp32_ms=fp32_ms, ratio_p25=p25, ratio_p75=p75,
                       rounds=len(per_round), noisy=bool(why), noise=noise, runs_per_round=runs_per_round,
-                      batch=batch, threads=threads, reference=reference)
+                      batch=batch, threads=threads, reference=reference, runtime=runtime)
 
 
 def time_rounds(int8_model, fp32_model, feeds, providers=None, *, rounds: int = 11, min_rounds: int = 3,
@@ -168,7 +173,12 @@ def compare(int8_model, fp32_model, feeds, providers=None, *, batch: int | None 
     (:func:`summarize`). The export's speed check; the one function to call wherever lq decides whether
     INT8 pays off."""
     int8_s, fp32_s, n = time_rounds(int8_model, fp32_model, feeds, providers, threads=threads, **timing)
-    return summarize(int8_s, fp32_s, runs_per_round=n, batch=batch, threads=threads, reference=reference)
+    from lq.export.verify import _openvino
+
+    runtime = f"OpenVINO (CPU plugin, {_openvino.precision_of(providers)} precision hint)" \
+        if _openvino.is_openvino(providers) else "onnxruntime"
+    return summarize(int8_s, fp32_s, runs_per_round=n, batch=batch, threads=threads, reference=reference,
+                     runtime=runtime)
 
 
 def batch_feeds(tensors: Sequence, dims: Sequence[dict], batch: int | None) -> list[np.ndarray]:

@@ -1,4 +1,4 @@
-"""Stage 5: run the file in onnxruntime on the prepared inputs and judge it against PyTorch's fake-quant outputs.
+"""Stage 5: run the file in its runtime (onnxruntime; OpenVINO for ``target="openvino"``) on the prepared inputs and judge it against PyTorch's fake-quant outputs.
 
 The verdict is in output quantization steps (:mod:`lq.export.verify._verify`); where an output is beyond the fixed
 bound, the model's own rounding noise is measured (:mod:`lq.export.verify._rounding_noise`) and allowed. Where a
@@ -45,6 +45,7 @@ def verify(proto: onnx.ModelProto, data: bytes, prep: Prepared, cfg: ExportConfi
     computes what the PyTorch model does. ``data``: ``proto`` serialized (what runs). ``one_thread``: onnxruntime's DynamicQuantizeLSTM quantizes per
     thread's share of the batch, so it is verified on one thread."""
     path = cfg.path
+    runtime = _verify.runtime_name(providers)  # onnxruntime, or OpenVINO for target="openvino"
     steps = _verify.output_steps(proto)
     by_output: dict[int, _verify.OutputCheck] = {}
     sess = None
@@ -73,14 +74,14 @@ def verify(proto: onnx.ModelProto, data: bytes, prep: Prepared, cfg: ExportConfi
             save_unverified(proto, path)
             shape = [tuple(a.shape) for a in inputs if isinstance(a, torch.Tensor)]
             fixed = unrolled if inputs is not prep.args else []  # a grown input failed: say what fixes its size
-            raise ExportError(f"onnxruntime could not run the exported model on input shape(s) {shape}: "
+            raise ExportError(f"{runtime} could not run the exported model on input shape(s) {shape}: "
                               f"{short(e)} (saved as {unverified_path(path)} for inspection)"
                               + (f". The sequence length is fixed in the file: {'; '.join(fixed)}" if fixed
                                  else "")) from e
         bad_ort = _verify.nonfinite_report(ort_out, prep.output_names)
         if bad_ort:
             save_unverified(proto, path)
-            raise VerificationError(f"onnxruntime's output holds NaN/Inf where PyTorch's is finite ({bad_ort}). "
+            raise VerificationError(f"{runtime}'s output holds NaN/Inf where PyTorch's is finite ({bad_ort}). "
                                     f"The file was saved as {unverified_path(path)}; {path} was not written.")
         extremes[0] = max(extremes[0], _verify.max_abs_diff(ort_out, refs))
         extremes[1] = max([extremes[1]] + [float(np.abs(r).max()) for r in refs if r.size])
@@ -116,7 +117,7 @@ def verify(proto: onnx.ModelProto, data: bytes, prep: Prepared, cfg: ExportConfi
     if failed:
         save_unverified(proto, path)
         raise VerificationError(
-            f"onnxruntime's output is not the PyTorch fake-quant output: {failed}.\nMeasured: {verdict}. The "
+            f"{runtime}'s output is not the PyTorch fake-quant output: {failed}.\nMeasured: {verdict}. The "
             f"model was saved as {unverified_path(path)}; {path} was not written")
     return Verified(max_abs_diff=max_diff, tolerance=tol, checks=checks, verdict=verdict)
 

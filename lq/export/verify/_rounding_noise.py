@@ -55,13 +55,15 @@ def rounding_noise(model: torch.nn.Module, seed: int = 0, steps: float = NOISE_S
 
     gen = torch.Generator().manual_seed(seed)
 
-    def hook(step):
+    def hook(step, unsigned: bool):
         def move(_module, inputs):
             x = inputs[0]
             if not isinstance(x, torch.Tensor) or not x.is_floating_point():
                 return None
             u = torch.rand(x.shape, generator=gen, dtype=torch.float64).to(x.dtype)
-            return (x + (2 * u - 1) * (steps * step.to(x.dtype)),) + tuple(inputs[1:])
+            moved = x + (2 * u - 1) * (steps * step.to(x.dtype))
+            # an unsigned quantizer reads a ReLU's output: its zeros are exact in every runtime, and it refuses < 0
+            return (moved.clamp_min(0) if unsigned else moved,) + tuple(inputs[1:])
         return move
 
     handles = []
@@ -70,7 +72,7 @@ def rounding_noise(model: torch.nn.Module, seed: int = 0, steps: float = NOISE_S
             if isinstance(m, TensorQuantizer) and not name.endswith("weight_quantizer"):
                 step = activation_step(m)
                 if step is not None and float(step) > 0:
-                    handles.append(m.register_forward_pre_hook(hook(step)))
+                    handles.append(m.register_forward_pre_hook(hook(step, bool(getattr(m, "unsigned", False)))))
         yield len(handles)
     finally:
         for h in handles:

@@ -35,8 +35,33 @@ def default_providers(device: str | None = None) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+def target_providers(target: str, device: str | None = None) -> list[str]:
+    """Where a file for ``target`` is verified and timed: OpenVINO's CPU plugin for ``openvino``, onnxruntime's
+    CPU (or CUDA, for a model on a GPU) provider otherwise."""
+    if target == "openvino":
+        from lq.export.verify import _openvino
+
+        _openvino.require()
+        return [_openvino.OPENVINO]
+    return default_providers(device)
+
+
+def runtime_name(providers) -> str:
+    """The runtime ``providers`` run a file in, as the export's messages name it."""
+    from lq.export.verify import _openvino
+
+    return "OpenVINO" if _openvino.is_openvino(providers) else "onnxruntime"
+
+
 def make_session(path_or_bytes, providers=None, *, optimized_model_filepath: str | None = None,
                  intra_op_num_threads: int | None = None, graph_optimization_level=None):
+    """An onnxruntime session, or for ``providers=[OPENVINO]`` an OpenVINO one with the same two calls
+    (:class:`lq.export.verify._openvino.Session`, f32 precision; ``[OPENVINO_BF16]``: the bf16 hint)."""
+    from lq.export.verify import _openvino
+
+    if _openvino.is_openvino(providers):
+        return _openvino.Session(path_or_bytes, threads=intra_op_num_threads,
+                                 precision=_openvino.precision_of(providers))
     ort = _ort()
     so = ort.SessionOptions()
     if optimized_model_filepath:

@@ -1,0 +1,271 @@
+"""OpenVINO as the target: lq's ``target="openvino"`` file against NNCF's, OpenVINO's own quantizer (issue 42).
+
+    python -m bench.openvino [--fast] [--out DIR] [--models I ...]
+
+The five models of :mod:`bench.library` (written as library code writes them, trained on real MNIST digits the
+same way), each quantized by:
+
+* lq's default path for OpenVINO: ``quantize_model(model, target="openvino")``, ``calibrate_model`` with no
+  method (``auto``), ``export_onnx(..., target="openvino")`` (verified in OpenVINO; its own speed check off, the
+  bench times every file itself);
+* lq's default onnxruntime file (``int8_onnxruntime``), as a user who did not set the target would run it;
+* NNCF's ``nncf.quantize`` with its defaults (``performance`` preset: symmetric activations) and with the ``mixed``
+  preset (asymmetric activations), ONNX backend, on the user's plain FP32 file with the same calibration images.
+
+Every file runs in OpenVINO's CPU plugin, one inference thread, the f32 precision hint (so FP32 layers are FP32,
+not bf16); files are timed in turns within each round (medians of the rounds), at batch 1, 8 and 32. The
+baseline is the faster of the user's two plain FP32 exports (current and legacy exporter) in the same plugin;
+where the CPU runs bf16 natively, that file's time with the bf16 hint is shown beside (what OpenVINO does to an
+"FP32" model by default there). Accuracy (IoU for the dense net) of every file in OpenVINO on the held-out
+digits; the convolutions and matmuls that run on integers in OpenVINO's compiled graph.
+
+Targets (issue 42): lq's OpenVINO file at least NNCF's default file's speed at every batch, at least OpenVINO
+FP32's, and accuracy within 0.3 point of NNCF's.
+
+``--fast``: a bounded smoke run (512 training / 256 test images, 1 epoch, batch 1 and 8, few rounds, lq's
+OpenVINO file and NNCF's default only).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench import _report
+from bench import library as L
+
+torch.set_flush_denormal(True)
+
+FP32 = "OpenVINO FP32"
+FP32_BF16 = "OpenVINO FP32, bf16 hint"
+LQ_OV = "lq target=openvino"
+LQ_ORT = "lq onnxruntime file"
+NNCF = "NNCF default"
+NNCF_MIXED = "NNCF mixed preset"
+SHORT = {LQ_OV: "lq", LQ_ORT: "lq ort", NNCF: "nncf", NNCF_MIXED: "nncf mixed", FP32_BF16: "bf16"}
+
+
+def batch_sizes(fast: bool) -> tuple[int, ...]:
+    return (1, 8) if fast else (1, 8, 32)
+
+
+def compiled(path: str, precision: str = "f32"):
+    from lq.export.verify import _openvino
+
+    return _openvino.compile_model(path, threads=1, precision=precision)
+
+
+def ov_quality(spec, path: str, x, y) -> float:
+    cm = compiled(path)
+    outs = [[np.array(o) for o in cm([c.numpy()]).values()] for c in x.split(250)]
+    return L.quality(spec, [np.concatenate(parts) for parts in zip(*outs, strict=True)], y)
+
+
+def integer_layers(path: str) -> str:
+    from lq.export.verify import _openvino
+
+    layers = _openvino.compiled_layers(path)
+    return f"{sum(c.integer for c in layers)}/{len(layers)}"
+
+
+def ov_times(models: dict, x: np.ndarray, rounds: int, min_round_s: float) -> dict[str, list[float]]:
+    """Seconds per inference of each compiled model, in turns within every round (the order rotating)."""
+    reqs = {k: cm.create_infer_request() for k, cm in models.items()}
+    one = {}
+    for k, r in reqs.items():
+        r.infer([x])
+        t = time.perf_counter()
+        r.infer([x])
+        one[k] = time.perf_counter() - t
+    n = max(1, int(min_round_s / max(min(one.values()), 1e-6)))
+    out: dict[str, list[float]] = {k: [] for k in reqs}
+    keys = list(reqs)
+    for i in range(rounds):
+        for k in keys[i % len(keys):] + keys[:i % len(keys)]:
+            t = time.perf_counter()
+            for _ in range(n):
+                reqs[k].infer([x])
+            out[k].append((time.perf_counter() - t) / n)
+    return out
+
+
+def lq_file(spec, model, batches, target: str, path: str, outputs: list[str]) -> dict:
+    """lq's default path for ``target``; seconds of calibration and export, verification verdict. A file that
+    fails verification is recorded (the error text) and exported again without it, so that its speed and accuracy
+    are still measured."""
+    from lq.calibration import calibrate_model
+    from lq.export import VerificationError, export_onnx
+
+    q = copy.deepcopy(model)
+    t = time.perf_counter()
+    import lq
+
+    lq.quantize_model(q, target=target, sample=batches[0][:2])
+    with torch.no_grad():
+        calibrate_model(q, batches)
+    calib_s = time.perf_counter() - t
+    kw = {"output_names": outputs} if len(outputs) > 1 else {}
+    t = time.perf_counter()
+    error = None
+    try:
+        res = export_onnx(q, batches[0], path, target=target, speed_check=False, progress=False, **kw)
+    except VerificationError as e:
+        error = str(e).split("\nMeasured")[0]
+        res = export_onnx(q, batches[0], path, target=target, speed_check=False, progress=False, verify=False, **kw)
+    return {"calib_s": calib_s, "export_s": time.perf_counter() - t, "verdict": res.verdict, "error": error,
+            "float_layers": [f"{k.layer}: {k.kernel}, {k.reason}" for k in res.layer_kernels if not k.integer]}
+
+
+def nncf_file(fp32_path: str, out_path: str, batches, preset: str | None) -> float:
+    import logging
+
+    import nncf
+    import onnx
+
+    model = onnx.load(fp32_path)
+    name = model.graph.input[0].name
+    nncf.set_log_level(logging.ERROR)
+    kw = {} if preset is None else {"preset": nncf.QuantizationPreset(preset)}
+    t = time.perf_counter()
+    out = nncf.quantize(model, nncf.Dataset([{name: b.numpy()} for b in batches]), subset_size=len(batches), **kw)
+    onnx.save(out, out_path)
+    return time.perf_counter() - t
+
+
+def run_model(spec, fast: bool, d: str, bf16: bool) -> dict:
+    torch.manual_seed(0)
+    xtr, ytr, xte, yte = L.dataset(spec.data, fast)
+    model = spec.build(fast)
+    L.train(spec, model, xtr, ytr, 1 if fast else spec.epochs)
+    outputs = ["region", "link"] if spec.seg else ["output"]
+    batches = list(xtr[: 64 if fast else 256].split(32))
+    row: dict = {"model": spec.label, "metric": spec.metric, "quality": {}, "layers": {}, "seconds": {}, "lq": {}}
+    fp32 = {e: os.path.join(d, f"fp32_{e}.onnx") for e in ("dynamo", "legacy")}
+    for e, p in fp32.items():
+        L.export_fp32(model, p, xtr[:1], outputs, e)
+    paths = {LQ_OV: os.path.join(d, "lq_ov.onnx")}
+    row["lq"][LQ_OV] = lq_file(spec, model, batches, "openvino", paths[LQ_OV], outputs)
+    if not fast:
+        paths[LQ_ORT] = os.path.join(d, "lq_ort.onnx")
+        row["lq"][LQ_ORT] = lq_file(spec, model, batches, "onnxruntime", paths[LQ_ORT], outputs)
+    for name, preset in ((NNCF, None),) + (() if fast else ((NNCF_MIXED, "mixed"),)):
+        paths[name] = os.path.join(d, f"{SHORT[name].replace(' ', '_')}.onnx")
+        row["seconds"][name] = nncf_file(fp32["legacy"], paths[name], batches, preset)
+    for name, p in {"FP32 (current exporter)": fp32["dynamo"], **paths}.items():
+        row["quality"][name] = ov_quality(spec, p, xte, yte)
+        row["layers"][name] = integer_layers(p)
+    row["speedup"], row["ms"] = {}, {}
+    for b in batch_sizes(fast):
+        x = np.ascontiguousarray(xte[:b].numpy())
+        models = {f"fp32_{e}": compiled(p) for e, p in fp32.items()}
+        models |= {k: compiled(p) for k, p in paths.items()}
+        if bf16:
+            models |= {f"bf16_{e}": compiled(p, "bf16") for e, p in fp32.items()}
+        times = ov_times(models, x, 5 if fast else 11, 0.02 if fast else 0.05)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        base = min(("fp32_dynamo", "fp32_legacy"), key=med.get)
+        row["ms"][str(b)] = {k: 1e3 * v for k, v in med.items()}
+        ratios = {k: _report.ratios(times[base], times[k]) for k in paths}
+        if bf16:
+            best = min(("bf16_dynamo", "bf16_legacy"), key=med.get)
+            ratios[FP32_BF16] = _report.ratios(times[base], times[best])
+        row["speedup"][str(b)] = ratios
+        row.setdefault("baseline", {})[str(b)] = base
+    return row
+
+
+def _q(r: dict, v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.4f}" if r["metric"] == "IoU" else f"{100 * v:.1f}%"
+
+
+def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
+    out = []
+    for r in rows:
+        name = r["model"].split(" (")[0]
+        for b, s in r["speedup"].items():
+            lq_s, nncf_s = s[LQ_OV]["median"], s[NNCF]["median"]
+            out.append((f"{name}, batch {b}: lq's OpenVINO file >= NNCF's default and >= FP32",
+                        f"{lq_s:.2f}x vs NNCF {nncf_s:.2f}x", lq_s >= nncf_s and lq_s >= 1.0))
+        lq_q, nncf_q = r["quality"][LQ_OV], r["quality"][NNCF]
+        tol = 0.003
+        out.append((f"{name}: accuracy >= NNCF's - 0.3 point", f"{_q(r, lq_q)} vs NNCF {_q(r, nncf_q)}",
+                    lq_q >= nncf_q - tol))
+    return out
+
+
+def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: bool, bf16: bool) -> Path:
+    info = _report.machine()
+    names = [LQ_OV] + ([] if fast else [LQ_ORT]) + [NNCF] + ([] if fast else [NNCF_MIXED])
+    cols = names + ([FP32_BF16] if bf16 else [])
+    lines = ["# OpenVINO: lq's file against NNCF's", "",
+             f"Produced by `bench/openvino.py` (CPU: {info['cpu']}, {info['isa']}). Speed-up over the faster of the "
+             "user's two plain FP32 exports in OpenVINO's CPU plugin (1 thread, f32 precision hint), median "
+             "[interquartile] of interleaved rounds. See the module docstring for the setup.", ""]
+    for b in batch_sizes(fast):
+        lines += [f"## Batch {b}", "", _report.table(
+            ["model", "FP32 ms"] + [SHORT.get(c, c) for c in cols],
+            [[r["model"].split(" (")[0], f"{r['ms'][str(b)][r['baseline'][str(b)]]:.3f}"]
+             + [_report.fmt_ratio(r["speedup"][str(b)][c]) if c in r["speedup"][str(b)] else None for c in cols]
+             for r in rows]), ""]
+    lines += ["## Accuracy in OpenVINO, and convolutions/matmuls on integers there", "", _report.table(
+        ["model", "FP32"] + [SHORT[c] for c in names],
+        [[r["model"].split(" (")[0], _q(r, r["quality"]["FP32 (current exporter)"])]
+         + [f"{_q(r, r['quality'][c])} ({r['layers'][c]})" for c in names] for r in rows]), ""]
+    lines += ["## What quantizing cost (seconds)", "", _report.table(
+        ["model", "lq calibration", "lq export (verified in OpenVINO)", "NNCF default"],
+        [[r["model"].split(" (")[0], f"{r['lq'][LQ_OV]['calib_s']:.1f}", f"{r['lq'][LQ_OV]['export_s']:.1f}",
+          f"{r['seconds'][NNCF]:.1f}"] for r in rows]), ""]
+    lines += ["## Targets", ""] + [f"- {'PASS' if ok else 'MISS'} {a}: {b}" for a, b, ok in targets(rows)] + [""]
+    failed = [f"- {r['model'].split(' (')[0]}, {k}: {v['error']}" for r in rows for k, v in r["lq"].items()
+              if v.get("error")]
+    if failed:
+        lines += ["## Files that failed the export's verification (measured from an export with verify=False)", ""]
+        lines += failed + [""]
+    floats = [f"- {r['model'].split(' (')[0]}: {f}" for r in rows for f in r["lq"][LQ_OV]["float_layers"]]
+    if floats:
+        lines += ["## lq's layers OpenVINO runs in float", ""] + floats + [""]
+    lines += ["## Run", "", _report.machine_markdown(info, cmd, seconds)]
+    md = out / "openvino.md"
+    md.write_text("\n".join(lines) + "\n")
+    return md
+
+
+def main(argv=None) -> int:
+    ap = _report.models_parser(__doc__, "smoke run: 512/256 images, 1 epoch, batch 1 and 8, lq and NNCF default",
+                               len(L.MODELS), 1)
+    args = ap.parse_args(argv)
+    from lq.export.verify import _openvino
+
+    _openvino.require()
+    out, cmd, t0 = _report.start_run(args)
+    bf16 = _openvino.has_bf16()
+    rows = []
+    for i, spec in enumerate(L.MODELS):
+        if args.models is not None and i not in args.models:
+            continue
+        _report.log(f"{spec.label} ...")
+        with tempfile.TemporaryDirectory() as d:
+            row = run_model(spec, args.fast, d, bf16)
+        b = str(max(batch_sizes(args.fast)))
+        _report.log("  " + "; ".join(f"{SHORT.get(k, k)} {_report.fmt_ratio(v)}" for k, v in row["speedup"][b].items())
+                    + f" at batch {b}; " + ", ".join(f"{SHORT.get(k, k)} {_q(row, v)}" for k, v in row["quality"].items()))
+        rows.append(row)
+    seconds = time.perf_counter() - t0
+    _report.write_json(out / "openvino.json", {"rows": rows, "machine": _report.machine(), "command": cmd,
+                                               "fast": args.fast, "seconds": seconds, "targets": targets(rows)})
+    _report.print_targets(targets(rows), write_markdown(rows, out, cmd, seconds, args.fast, bf16), seconds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""OpenVINO's table (CPU plugin, its low-precision transformations): what it runs for ``DQ -> op -> Q``.
+
+OpenVINO reads a Q/DQ file as FakeQuantize ops and moves them itself: into the convolution or matmul that reads
+them (an ``i8``/``u8`` kernel in its compiled graph, ``python -m bench.openvino`` reports which), across max
+pools and data movement, and as post-ops into the layer before them. Its zero points cost: a non-zero activation
+zero point ran a third to half slower than zero (depthwise convs most; ``bench.openvino``), so the recipe
+(:class:`lq.config.Int8OpenvinoConfig`) is symmetric. The export places no Q/DQ beyond the model's own
+quantizers for it (the plugin does the placement), so the table documents what it runs and is read for
+``commutes``/``produces``. Kernel names are the compiled graph's layer types.
+"""
+
+from __future__ import annotations
+
+from lq.rules import OpRule
+
+RULES: tuple[OpRule, ...] = (
+    OpRule("conv", ("Conv",), produces=True, kernels=("Convolution", "GroupConvolution")),
+    OpRule("conv_transpose", ("ConvTranspose",), produces=True, kernels=("Deconvolution",)),
+    OpRule("gemm", ("Gemm",), produces=True, kernels=("FullyConnected",)),
+    OpRule("matmul", ("MatMul",), produces=True, kernels=("FullyConnected", "MatMul")),
+    OpRule("add", ("Add",), produces=True, note="float, or fused as a post-op into the layer before it"),
+    OpRule("concat", ("Concat",), produces=True, note="on the integers when its inputs share one grid"),
+    OpRule("average_pool", ("GlobalAveragePool", "AveragePool"), produces=True,
+           note="float: a quantizer on its input ran as a separate FakeQuantize (bench.openvino)"),
+    OpRule("relu", ("Relu",), note="fused into the producer"),
+    OpRule("clip", ("Clip",), note="fused into the producer"),
+    OpRule("max_pool", ("MaxPool",), note="on the integers (the quantizer moves across it)"),
+    OpRule("data_movement", ("Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity"),
+           note="on the integers"),
+    OpRule("resize", ("Resize",), note="nearest on the integers"),
+    OpRule("prelu", ("PRelu",), note="fused into the producer as a post-op"),
+    OpRule("leaky_relu", ("LeakyRelu",), note="fused into the producer as a post-op"),
+    OpRule("sigmoid", ("Sigmoid",), note="fused into the producer as a post-op"),
+    OpRule("hardswish", ("HardSwish",), note="fused into the producer as a post-op"),
+)

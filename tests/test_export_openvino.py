@@ -1,0 +1,245 @@
+"""``target="openvino"``: the recipe, a standard-ONNX file verified and timed in OpenVINO's CPU plugin, and the
+precision each layer runs at there.
+
+References independent of the export's own report: OpenVINO's compiled graph read here (its layers' runtime
+precision), onnxruntime running the same file, and the Q/DQ nodes of the file itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+from torch import nn
+
+import lq
+from lq import report
+from lq.config import ExportConfig
+from lq.export import VerificationError, export_onnx
+from lq.export._ir import ExportError
+from lq.export.passes import _pipeline
+from lq.export.timing import _timing
+from lq.export.verify import _openvino
+
+ov = pytest.importorskip("openvino")
+ort = pytest.importorskip("onnxruntime")
+
+
+class Block(nn.Module):
+    """Dense conv -> BN -> ReLU -> max pool, a depthwise conv with SiLU, a residual add, a pooled Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2))
+        self.pw = nn.Conv2d(16, 32, 1)
+        self.dw = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.act = nn.SiLU()
+        self.proj = nn.Conv2d(32, 16, 1)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+    def forward(self, x):
+        x = self.stem(x)
+        return self.head(x + self.proj(self.act(self.dw(torch.relu(self.pw(x))))))
+
+
+def _calibrated(seed: int = 0):
+    torch.manual_seed(seed)
+    m = Block().eval()
+    x = torch.randn(64, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
+    lq.quantize_model(m, target="openvino", sample=x[:2])
+    lq.calibrate_model(m, list(x.split(32)), method="max")
+    return m, x[:32]
+
+
+def _compiled_precisions(path: str) -> list[str]:
+    core = ov.Core()
+    cm = core.compile_model(path, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 1})
+    out = []
+    for op in cm.get_runtime_model().get_ordered_ops():
+        rt = op.get_rt_info()
+        if rt["layerType"].astype(str) in ("Convolution", "GroupConvolution", "FullyConnected"):
+            out.append(rt["runtimePrecision"].astype(str))
+    return out
+
+
+def test_quantize_model_picks_the_symmetric_recipe():
+    m, _ = _calibrated()
+    assert isinstance(m.stem[0], lq.nn.QuantConv2d) and isinstance(m.head[2], lq.nn.QuantLinear)
+    assert isinstance(m.stem[3], lq.nn.QuantMaxPool2d)
+    assert not isinstance(m.head[0], lq.nn.QuantAdaptiveAvgPool2d)  # a separate FakeQuantize in OpenVINO
+    from lq.nn.modules.tensor_quantizer import iter_quantizers
+
+    assert not any(q.asymmetric for _, q in iter_quantizers(m))
+    assert not m.pw._input_quantizer.asymmetric and not m.pw._input_quantizer.narrow_range
+    assert m.dw._input_quantizer.unsigned  # reads a ReLU's output: [0, 255]
+    assert m.pw._weight_quantizer.num_bits == 8 and m.pw._weight_quantizer.axis == 0
+
+
+def test_the_file_is_standard_onnx_verified_in_openvino_with_every_layer_on_int8(tmp_path):
+    m, x = _calibrated()
+    res = export_onnx(m, x, str(tmp_path / "ov.onnx"), target="openvino", progress=False)
+    assert res.providers == ["OpenVINO CPU"] and res.verdict
+    proto = onnx.load(res.path)
+    assert {n.domain for n in proto.graph.node} <= {"", "ai.onnx"}  # no com.microsoft kernels
+    inits = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+    acts = [n for n in proto.graph.node if n.op_type == "QuantizeLinear"]
+    assert acts and all(not inits[n.input[2]].any() for n in acts)  # zero point 0: symmetric
+    assert {inits[n.input[2]].dtype for n in acts} == {np.dtype(np.int8), np.dtype(np.uint8)}
+    # the report's precisions are the compiled graph's: 4 convs (the depthwise one grouped) and the Linear
+    precisions = _compiled_precisions(res.path)
+    assert len(precisions) == 5 and set(precisions) <= {"i8", "u8"}, precisions
+    assert len(res.layer_kernels) == 5 and all(k.integer for k in res.layer_kernels), res.layer_kernels
+    assert sorted(k.kernel.split(" (")[1].split(",")[0] for k in res.layer_kernels) == sorted(precisions)
+    assert report.kernel_table(res).columns[2].header == "OpenVINO kernel"
+    # onnxruntime runs the same file to the same numbers as OpenVINO does (two runtimes, one file)
+    got_ov = ov.Core().compile_model(res.path, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})([x.numpy()])[0]
+    got_ort = ort.InferenceSession(res.path, providers=["CPUExecutionProvider"]).run(None, {"input": x.numpy()})[0]
+    with torch.no_grad():
+        want = m(x).numpy()
+    step = res.output_checks[0].step
+    assert np.abs(got_ov - want).max() < 6 * step and np.abs(got_ort - want).max() < 6 * step
+    assert (got_ov.argmax(1) == want.argmax(1)).mean() >= 0.95
+    assert res.speed_check is not None and "OpenVINO (CPU plugin, f32 precision hint)" in res.speed_check.text()
+    # where the CPU runs bf16 natively (OpenVINO's default precision there), both files timed so, said in a note
+    assert any("with the bf16 hint the INT8 file runs at" in w for w in res.warnings) == _openvino.has_bf16()
+
+
+def test_a_wrong_scale_fails_verification_in_openvino(tmp_path, monkeypatch):
+    m, x = _calibrated(1)
+    rewrite = _pipeline.rewrite
+
+    def skewed(proto, cfg, opset):  # the first weight scale 20% off: the file no longer computes the model
+        out, r = rewrite(proto, cfg, opset)
+        names = {i.name for i in out.graph.initializer}
+        dq = next(n for n in out.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in names)
+        init = next(i for i in out.graph.initializer if i.name == dq.input[1])
+        init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * np.float32(1.2), init.name))
+        return out, r
+
+    monkeypatch.setattr(_pipeline, "rewrite", skewed)
+    with pytest.raises(VerificationError, match="OpenVINO's output is not the PyTorch fake-quant output"):
+        export_onnx(m, x, str(tmp_path / "bad.onnx"), target="openvino", progress=False, speed_check=False)
+    assert not (tmp_path / "bad.onnx").exists()
+
+
+def test_without_openvino_the_error_names_the_extra(tmp_path, monkeypatch):
+    m, x = _calibrated()
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    with pytest.raises(ImportError, match=r"pip install 'lq\[openvino\]'"):
+        export_onnx(m, x, str(tmp_path / "x.onnx"), target="openvino", progress=False)
+    assert ExportConfig(target="openvino").target == "openvino"
+    with pytest.raises(ValueError, match="target='openvno' is not allowed"):
+        ExportConfig(target="openvno")
+
+
+def test_onnxruntime_s_fused_lstm_is_refused_for_openvino(tmp_path):
+    class Rnn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(8, 16, batch_first=True)
+            self.fc = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc(self.lstm(x)[0][:, -1])
+
+    m = Rnn().eval()
+    x = torch.randn(4, 5, 8)
+    lq.quantize_model(m, recipe="int8_onnxruntime")  # recurrent="dynamic": onnxruntime's com.microsoft kernel
+    lq.calibrate_model(m, [x], method="max")
+    with pytest.raises(ExportError, match="DynamicQuantizeLSTM.*export with target='onnxruntime'"):
+        export_onnx(m, x, str(tmp_path / "lstm.onnx"), target="openvino", progress=False, speed_check=False)
+
+
+def test_the_fallback_times_its_tries_in_openvino(tmp_path, monkeypatch):
+    """A cost model (as in tests/test_fallback.py): the INT8 file takes 1 ms plus 1 ms while the Linear head is
+    quantized, FP32 1.5 ms. The fallback's tries run in OpenVINO too, and the saved file (verified there) has the
+    head in float and computes the model with the head's quantizers off."""
+    timed = []
+
+    def rounds(int8_model, fp32_model, feeds, providers=None, **kw):
+        assert providers and providers[0].startswith("OpenVINO CPU")
+        m = onnx.load_from_string(int8_model)
+        if not any(n.op_type == "QuantizeLinear" for n in m.graph.node):  # the two FP32 files, compared
+            return [1e-3] * 5, [1e-3] * 5, 3
+        made_by = {o: n.op_type for n in m.graph.node for o in n.output}
+        head = any(n.op_type == "Gemm" and made_by.get(n.input[1]) == "DequantizeLinear" for n in m.graph.node)
+        timed.append(head)
+        return [1e-3 * (2.0 if head else 1.0)] * 5, [1.5e-3] * 5, 3
+
+    monkeypatch.setattr(_timing, "time_rounds", rounds)
+    m, x = _calibrated(2)
+    res = export_onnx(m, x, str(tmp_path / "fb.onnx"), target="openvino", progress=False)
+    assert res.fallback is not None and res.float_fallback == ["head.2"], res.fallback.note()
+    assert timed[0] is True and timed[-1] is False and res.speed_check.ratio == pytest.approx(1.5)
+    ref = copy.deepcopy(m)
+    ref.head[2]._input_quantizer.disable()
+    ref.head[2]._weight_quantizer.disable()
+    with torch.no_grad():
+        want = ref(x).numpy()
+    got = ov.Core().compile_model(res.path, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})([x.numpy()])[0]
+    assert res.judge([got], [want]) == ""
+
+
+class Audio(nn.Module):
+    """CREPE's shape: 1-D convs, the third one 16 -> 16 channels with 16 taps (the layer a faulty kernel hits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Sequential(nn.Conv1d(1, 16, 32, stride=4, padding=14), nn.ReLU(), nn.MaxPool1d(2))
+        self.c2 = nn.Sequential(nn.Conv1d(16, 16, 16, padding=7), nn.ReLU(), nn.MaxPool1d(2))
+        self.c3 = nn.Sequential(nn.Conv1d(16, 32, 5, padding=2), nn.ReLU())
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.c3(self.c2(self.c1(x))).mean(-1))
+
+
+def _faulty_plugin(monkeypatch, shape=(16, 16, 16)):
+    """OpenVINO as if its int8 kernel for one conv were wrong (the AMX fault of lq.export.verify._runtime_faults,
+    on any CPU): every file it compiles has that conv's weight scale tripled while the weights are int8."""
+    from onnx import numpy_helper as nh
+
+    compile_model = _openvino.compile_model
+
+    def faulty(path_or_bytes, threads=None, precision="f32"):
+        m = onnx.load_from_string(path_or_bytes) if isinstance(path_or_bytes, bytes) else onnx.load(path_or_bytes)
+        inits = {i.name: i for i in m.graph.initializer}
+        made_by = {o: n for n in m.graph.node for o in n.output}
+        for n in m.graph.node:
+            dq = made_by.get(n.input[1]) if n.op_type == "Conv" else None
+            if dq is not None and dq.op_type == "DequantizeLinear" and dq.input[0] in inits \
+                    and tuple(inits[dq.input[0]].dims) == shape:
+                s = inits[dq.input[1]]
+                s.CopyFrom(nh.from_array(nh.to_array(s) * np.float32(3), s.name))
+        return compile_model(m.SerializeToString(), threads, precision)
+
+    monkeypatch.setattr(_openvino, "compile_model", faulty)
+
+
+def test_a_layer_openvino_computes_wrong_stays_float_and_the_rest_verifies(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    m = Audio().eval()
+    x = torch.randn(64, 1, 256, generator=torch.Generator().manual_seed(5))
+    lq.quantize_model(m, target="openvino", sample=x[:2])
+    lq.calibrate_model(m, list(x.split(32)), method="max")
+    _faulty_plugin(monkeypatch)
+    res = export_onnx(m, x[:32], str(tmp_path / "a.onnx"), target="openvino", progress=False, speed_check=False)
+    assert "computes c2.0" in res.warnings[0] and "stays float" in res.warnings[0], res.warnings
+    assert not (tmp_path / "a.unverified.onnx").exists()
+    saved = onnx.load(res.path)
+    made_by = {o: n.op_type for n in saved.graph.node for o in n.output}
+    quantized = [made_by.get(n.input[1]) == "DequantizeLinear" for n in saved.graph.node if n.op_type == "Conv"]
+    assert quantized == [True, False, True], quantized  # c2's conv float, c1 and c3 on integers
+    ref = copy.deepcopy(m)  # independent reference: PyTorch with c2's quantizers off
+    ref.c2[0]._input_quantizer.disable()
+    ref.c2[0]._weight_quantizer.disable()
+    with torch.no_grad():
+        want = ref(x[:32]).numpy()
+    got = ort.InferenceSession(res.path, providers=["CPUExecutionProvider"]).run(None, {"input": x[:32].numpy()})[0]
+    assert res.judge([got], [want]) == ""
+    assert m.c2[0]._input_quantizer.is_enabled  # the user's model keeps every quantizer
