@@ -82,7 +82,7 @@ def test_quantize_model_picks_the_symmetric_recipe():
 
 def test_the_file_is_standard_onnx_verified_in_openvino_with_every_layer_on_int8(tmp_path):
     m, x = _calibrated()
-    res = export_onnx(m, x, str(tmp_path / "ov.onnx"), target="openvino", progress=False)
+    res = export_onnx(m, x, str(tmp_path / "ov.onnx"), target="openvino", progress=False, speed_check=False)
     assert res.providers == ["OpenVINO CPU"] and res.verdict
     proto = onnx.load(res.path)
     assert {n.domain for n in proto.graph.node} <= {"", "ai.onnx"}  # no com.microsoft kernels
@@ -96,6 +96,7 @@ def test_the_file_is_standard_onnx_verified_in_openvino_with_every_layer_on_int8
     assert len(res.layer_kernels) == 5 and all(k.integer for k in res.layer_kernels), res.layer_kernels
     assert sorted(k.kernel.split(" (")[1].split(",")[0] for k in res.layer_kernels) == sorted(precisions)
     assert report.kernel_table(res).columns[2].header == "OpenVINO kernel"
+    assert "OpenVINO vs PyTorch fake-quant" in res.summary() and "layers on integer kernels: 5 of 5" in res.summary()
     # onnxruntime runs the same file to the same numbers as OpenVINO does (two runtimes, one file)
     got_ov = ov.Core().compile_model(res.path, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})([x.numpy()])[0]
     got_ort = ort.InferenceSession(res.path, providers=["CPUExecutionProvider"]).run(None, {"input": x.numpy()})[0]
@@ -104,9 +105,6 @@ def test_the_file_is_standard_onnx_verified_in_openvino_with_every_layer_on_int8
     step = res.output_checks[0].step
     assert np.abs(got_ov - want).max() < 6 * step and np.abs(got_ort - want).max() < 6 * step
     assert (got_ov.argmax(1) == want.argmax(1)).mean() >= 0.95
-    assert res.speed_check is not None and "OpenVINO (CPU plugin, f32 precision hint)" in res.speed_check.text()
-    # where the CPU runs bf16 natively (OpenVINO's default precision there), both files timed so, said in a note
-    assert any("with the bf16 hint the INT8 file runs at" in w for w in res.warnings) == _openvino.has_bf16()
 
 
 def test_a_wrong_scale_fails_verification_in_openvino(tmp_path, monkeypatch):
@@ -176,6 +174,9 @@ def test_the_fallback_times_its_tries_in_openvino(tmp_path, monkeypatch):
     res = export_onnx(m, x, str(tmp_path / "fb.onnx"), target="openvino", progress=False)
     assert res.fallback is not None and res.float_fallback == ["head.2"], res.fallback.note()
     assert timed[0] is True and timed[-1] is False and res.speed_check.ratio == pytest.approx(1.5)
+    assert "OpenVINO (CPU plugin, f32 precision hint)" in res.speed_check.text()
+    # where the CPU runs bf16 natively (OpenVINO's default precision there), both files timed so, said in a note
+    assert any("with the bf16 hint the INT8 file runs at" in w for w in res.warnings) == _openvino.has_bf16()
     ref = copy.deepcopy(m)
     ref.head[2]._input_quantizer.disable()
     ref.head[2]._weight_quantizer.disable()

@@ -122,7 +122,8 @@ class QuantExport(L.Callback):
         if diff is not None:
             tol = getattr(result, "tolerance", self.export.tolerance)
             steps = "; ".join(c.text() for c in getattr(result, "output_checks", []))
-            msg += f" (onnxruntime vs PyTorch max |diff| = {diff:.3g}" + (
+            runtime = getattr(result, "runtime", "onnxruntime")
+            msg += f" ({runtime} vs PyTorch max |diff| = {diff:.3g}" + (
                 f", tolerance {tol:.3g})" if tol is not None else f"; {steps})" if steps else ")")
         speed = getattr(result, "speedup", None)
         if getattr(result, "speed_check", None) is not None:  # the ratio, the two times, and any noise

@@ -189,9 +189,6 @@ def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfi
     timer = _speed.Timer.make(prep, cfg, twin, providers, timing_notes)
     stages.done("fp32 reference")
     speed = _speed.speed_check(data, timer, timing_notes)
-    bf16 = _speed.bf16_note(data, timer) if speed is not None else None
-    if bf16:
-        notes.append(bf16)
     stages.done("speed check")
     notes += timing_notes
     fallback = None
@@ -203,11 +200,15 @@ def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfi
         if kept is not None:
             kept.warnings[:0] = timing_notes
             kept.stage_seconds = dict(stages.seconds)
+            with open(kept.path, "rb") as f:
+                _add_bf16_note(kept.warnings, f.read(), timer)
             return _warn_if_slower(kept)
     if speed is not None and speed.slower:
         notes.append(_speed.slower_note(speed, proto, kernels))
     if fallback is not None:
         notes.append(fallback.note())
+    if speed is not None:
+        _add_bf16_note(notes, data, timer)
     res = _report.result(proto, cfg, opset, prep, rewrite, verified, providers, ort_ops, kernels, speed, notes,
                          export_seconds, stages.seconds)
     res.fallback = fallback
@@ -256,6 +257,13 @@ def _around_fault(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportCon
     if os.path.exists(unverified):  # the first file's: the saved file replaces it
         os.remove(unverified)
     return res
+
+
+def _add_bf16_note(notes: list, data: bytes, timer: _speed.Timer) -> None:
+    """For OpenVINO on a CPU with native bf16: the saved file and the FP32 one timed with the bf16 hint too."""
+    note = _speed.bf16_note(data, timer)
+    if note:
+        notes.append(note)
 
 
 def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:

@@ -34,7 +34,8 @@ class ExportResult:
             difference in steps, and for (batch, classes) logits the rows whose top-1 class differs. Empty when
             not verified.
         verdict: those numbers in one line (None when not verified).
-        providers: onnxruntime execution providers used for verification.
+        providers: onnxruntime execution providers used for verification (``["OpenVINO CPU"]``: OpenVINO's CPU
+            plugin, for ``target="openvino"``).
         file_size: bytes of the ONNX file.
         quantized: every quantized tensor (layer, weight/activation, dtype, axis, scale).
         folded_bn: BatchNorm layers folded (and those that could not be, with the reason).
@@ -127,6 +128,11 @@ class ExportResult:
         return sorted({q.layer for q in self.quantized})
 
     @property
+    def runtime(self) -> str:
+        """The runtime the file was verified and timed in: ``onnxruntime``, or ``OpenVINO`` (``target="openvino"``)."""
+        return _verify.runtime_name(self.providers)
+
+    @property
     def int8_kernels(self) -> dict[str, int]:
         """onnxruntime integer kernels in the optimized graph (QLinearConv, QLinearMatMul, QLinearAdd, QGemm ...)."""
         return {k: v for k, v in self.ort_ops.items() if k in _verify.INT8_KERNELS}
@@ -135,7 +141,7 @@ class ExportResult:
         lines = [f"ONNX export: {self.path} ({self.file_size / 1024:.1f} KiB, opset {self.opset}, {self.exporter})"]
         if self.max_abs_diff is not None:
             bound = f"tolerance {self.tolerance:.3g}" if self.tolerance is not None else "judged in output steps"
-            lines.append(f"  onnxruntime vs PyTorch fake-quant: max abs diff {self.max_abs_diff:.3g} "
+            lines.append(f"  {self.runtime} vs PyTorch fake-quant: max abs diff {self.max_abs_diff:.3g} "
                          f"({bound}, providers {', '.join(self.providers)})")
             lines.extend(f"    {c.text()}" for c in self.output_checks)
         lines.append(f"  Q/DQ nodes: {self.qdq_nodes}; quantized tensors: {len(self.quantized)}")
