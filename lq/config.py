@@ -161,6 +161,10 @@ class QuantConfig:
             activations (squeeze-excite) as QLinearSigmoid/QLinearMul; a conv -> ReLU ->
             BatchNorm gets its output quantizer on the ReLU (the conv runs integer with the ReLU fused); and a conv
             read by PReLU/LeakyReLU gets one too (the activation runs in float between Q/DQ).
+        shared_inputs: quantized layers that read the same tensor (two heads on one feature map) use one input
+            quantizer: one grid, one QuantizeLinear in the file, which the runtime fuses into the layer producing the
+            tensor. On in :class:`Int8OpenvinoConfig`; the onnxruntime recipe gets it from ``glue`` with
+            ``activations``.
         recurrent: how ``nn.LSTM`` layers quantize their activations: ``"scan"`` (their input quantizers,
             calibrated; exported as an ONNX Scan loop, any runtime) or ``"dynamic"`` (onnxruntime's fused
             ``DynamicQuantizeLSTM``: each layer's input and every step's h quantized from themselves, the
@@ -177,11 +181,12 @@ class QuantConfig:
     unsigned_after_relu: bool = False
     activations: bool = False
     recurrent: str = "scan"
+    shared_inputs: bool = False
 
     def __post_init__(self):
         owner = type(self).__name__
         _choice(owner, "recurrent", self.recurrent, RECURRENT_MODES)
-        for flag in ("glue", "unsigned_after_relu", "activations"):
+        for flag in ("glue", "unsigned_after_relu", "activations", "shared_inputs"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{owner}.{flag}={getattr(self, flag)!r} is not allowed: expected true or false")
         if self.types is not None:
@@ -299,6 +304,7 @@ class Int8OpenvinoConfig(QuantConfig):
     types: Optional[List[str]] = field(default_factory=lambda: list(OPENVINO_TYPES))
     glue: bool = False
     unsigned_after_relu: bool = True
+    shared_inputs: bool = True
 
 
 @dataclass

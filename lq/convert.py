@@ -383,7 +383,8 @@ def summarize(model: nn.Module) -> QuantizationSummary:
 
 # ====================================================================== conversion
 def _quantize_with_recipe(model, recipe, target, *, type_map, include, exclude, overrides, glue,
-                          unsigned_after_relu, recurrent, activations, sample) -> "QuantizationSummary":
+                          unsigned_after_relu, recurrent, activations, sample,
+                          shared_inputs=None) -> "QuantizationSummary":
     """quantize_model without descriptors: the recipe (or the target's), changed by the arguments given."""
     from dataclasses import replace
 
@@ -395,7 +396,8 @@ def _quantize_with_recipe(model, recipe, target, *, type_map, include, exclude, 
     cfg = coerce(recipe, QuantConfig, "quantize_model: recipe") if recipe is not None else \
         _recipe.default_recipe(target or "onnxruntime")
     changes = {k: v for k, v in (("glue", glue), ("unsigned_after_relu", unsigned_after_relu),
-                                 ("recurrent", recurrent), ("activations", activations)) if v is not None}
+                                 ("recurrent", recurrent), ("activations", activations),
+                                 ("shared_inputs", shared_inputs)) if v is not None}
     include = list(_as_patterns(include, "include"))
     if include != ["*"]:  # the user's selection replaces the recipe's; excludes add up
         changes["include"] = include
@@ -431,6 +433,7 @@ def quantize_model(
     recipe=None,
     target: str | None = None,
     sample=None,
+    shared_inputs: bool | None = None,
 ) -> QuantizationSummary:
     """Replace the float modules of ``model`` by quantized ones, in place.
 
@@ -476,6 +479,8 @@ def quantize_model(
             :class:`lq.config.Int8OnnxruntimeConfig` (``QuantConfig.activations``, which also swaps
             ``nn.SiLU``/``nn.Hardswish`` through ``type_map`` for their input-quantized versions; one that reads
             a 1-3 channel stem onnxruntime runs in float stays float).
+        shared_inputs: quantized layers that read the same tensor use one input quantizer
+            (:class:`lq.config.QuantConfig`; implied by ``glue`` with ``activations``).
 
     Returns:
         a :class:`QuantizationSummary` of the converted, already quantized and excluded layers.
@@ -492,7 +497,8 @@ def quantize_model(
     if quant_desc_input is None and quant_desc_weight is None:
         return _quantize_with_recipe(model, recipe, target, type_map=type_map, include=include, exclude=exclude,
                                      overrides=overrides, glue=glue, unsigned_after_relu=unsigned_after_relu,
-                                     recurrent=recurrent, activations=activations, sample=sample)
+                                     recurrent=recurrent, activations=activations, sample=sample,
+                                     shared_inputs=shared_inputs)
     if recipe is not None or target is not None:
         raise ValueError("quantize_model: give a recipe (recipe= or target=) or descriptors (quant_desc_input/"
                          "quant_desc_weight), not both: a recipe sets both descriptors")
@@ -500,6 +506,7 @@ def quantize_model(
     unsigned_after_relu = bool(unsigned_after_relu)
     recurrent = "scan" if recurrent is None else recurrent
     activations = bool(activations)
+    shared_inputs = bool(shared_inputs)
     from lq.config import RECURRENT_MODES
 
     if recurrent not in RECURRENT_MODES:
@@ -572,7 +579,7 @@ def quantize_model(
     region_names: list[str] = []  # the quantizers it leaves out (input quantizers of its modules, output ones)
     argument_pairs: list = []
     unsigned: set[str] = set()
-    if glue or unsigned_after_relu:
+    if glue or unsigned_after_relu or shared_inputs:
         from lq import glue as _glue
         from lq.glue import _argument_ties, _pool_grid, _sibling_ties
 
@@ -599,9 +606,10 @@ def quantize_model(
                 region_names.append(f"{t.name}._input_quantizer")
             region_names += [o.path for o in glue_outputs if region.writes_float(o.layer)]
             glue_outputs = [o for o in glue_outputs if not region.writes_float(o.layer)]
-        if glue and activations:  # a max pool and its reader, and readers of one tensor, on one grid
+        if glue and activations:  # a max pool and its reader on one grid
             pool_pairs = _pool_grid.whole_pool_readers(_glue.whole_graph(model, captured), will_be_quantized) \
                 if captured is not None else _pool_grid.pool_readers(model, graphs, will_be_quantized)
+        if (glue and activations) or shared_inputs:  # readers of one tensor on one grid (lq.glue._sibling_ties)
             sibling_pairs = _sibling_ties.sibling_readers(model, graphs, will_be_quantized)
         if not glue:
             glue_plans, glue_outputs, glue_already, glue_notes = [], [], [], []

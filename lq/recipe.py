@@ -77,6 +77,7 @@ def apply_recipe(model: nn.Module, quant: QuantConfig, *, learn_amax: bool = Fal
         quant_desc_weight=quant.weight.to_descriptor(),
         glue=quant.glue,
         unsigned_after_relu=quant.unsigned_after_relu,
+        shared_inputs=quant.shared_inputs,
         recurrent=quant.recurrent,
         activations=quant.activations,
         sample=sample,

@@ -244,3 +244,36 @@ def test_a_layer_openvino_computes_wrong_stays_float_and_the_rest_verifies(tmp_p
     got = ort.InferenceSession(res.path, providers=["CPUExecutionProvider"]).run(None, {"input": x[:32].numpy()})[0]
     assert res.judge([got], [want]) == ""
     assert m.c2[0]._input_quantizer.is_enabled  # the user's model keeps every quantizer
+
+
+class TwoHeads(nn.Module):
+    """Two 1x1 score-map heads on one feature map (a U-Net's region and link maps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU())
+        self.region = nn.Conv2d(16, 1, 1)
+        self.link = nn.Conv2d(16, 1, 1)
+
+    def forward(self, x):
+        d = self.body(x)
+        return self.region(d), self.link(d)
+
+
+def test_layers_reading_one_tensor_share_its_quantizer(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(32, 3, 16, 16)
+    files = {}
+    for shared in (True, False):
+        m = TwoHeads().eval()
+        lq.quantize_model(m, target="openvino", sample=x[:2], shared_inputs=shared)
+        lq.calibrate_model(m, [x], method="max")
+        assert (m.region._input_quantizer is m.link._input_quantizer) is shared
+        if not shared:  # calibrated apart (auto calibration picks a method per quantizer): two grids
+            m.link._input_quantizer.amax = m.link._input_quantizer.amax * 1.1
+        res = export_onnx(m, x, str(tmp_path / f"heads_{shared}.onnx"), target="openvino", progress=False,
+                          speed_check=False, output_names=["region", "link"])
+        files[shared] = onnx.load(res.path)
+    quantize = {k: sum(n.op_type == "QuantizeLinear" for n in f.graph.node) for k, f in files.items()}
+    assert quantize == {True: 2, False: 3}, quantize  # the input's, and the heads' one (or two)
+    assert lq.config.Int8OpenvinoConfig().shared_inputs and not lq.config.Int8OnnxruntimeConfig().shared_inputs
