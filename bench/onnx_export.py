@@ -195,10 +195,11 @@ def ort_quantize_static(fp32_path: str, out_path: str, batches, u8u8: bool = Fal
         os.remove(pre)
 
 
-def nncf_quantize(fp32_path: str, out_path: str, batches) -> None:
+def nncf_quantize(fp32_path: str, out_path: str, batches, preset: str | None = None) -> None:
     """NNCF's own post-training quantization with its defaults (``nncf.quantize``: the ``performance`` preset,
     symmetric int8 activations, per-channel weights, its fast bias correction) on the FP32 ONNX file (NNCF's ONNX
-    backend), every calibration batch given: the file NNCF's users run in onnxruntime."""
+    backend), every calibration batch given: the file NNCF's users run in onnxruntime. ``preset``: another of
+    NNCF's presets (``"mixed"``: asymmetric activations)."""
     import onnx
     import nncf
 
@@ -207,7 +208,8 @@ def nncf_quantize(fp32_path: str, out_path: str, batches) -> None:
     items = [{k: v.numpy() for k, v in b.items()} if isinstance(b, dict) else {name: b.numpy()} for b in batches]
     nncf.set_log_level(logging.ERROR)
     # subset_size counts dataset items (here batches), not samples
-    quantized = nncf.quantize(model, nncf.Dataset(items), subset_size=len(items))
+    kw = {} if preset is None else {"preset": nncf.QuantizationPreset(preset)}
+    quantized = nncf.quantize(model, nncf.Dataset(items), subset_size=len(items), **kw)
     onnx.save(quantized, out_path)
 
 

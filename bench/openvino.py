@@ -41,6 +41,7 @@ import torch
 
 from bench import _report
 from bench import library as L
+from bench.onnx_export import nncf_quantize
 
 torch.set_flush_denormal(True)
 
@@ -77,24 +78,13 @@ def integer_layers(path: str) -> str:
 
 
 def ov_times(models: dict, x: np.ndarray, rounds: int, min_round_s: float) -> dict[str, list[float]]:
-    """Seconds per inference of each compiled model, in turns within every round (the order rotating)."""
+    """Seconds per inference of each compiled model, in turns within every round (:func:`bench._report.interleaved`),
+    each round running every model often enough that the fastest takes ``min_round_s``."""
     reqs = {k: cm.create_infer_request() for k, cm in models.items()}
-    one = {}
-    for k, r in reqs.items():
-        r.infer([x])
-        t = time.perf_counter()
-        r.infer([x])
-        one[k] = time.perf_counter() - t
-    n = max(1, int(min_round_s / max(min(one.values()), 1e-6)))
-    out: dict[str, list[float]] = {k: [] for k in reqs}
-    keys = list(reqs)
-    for i in range(rounds):
-        for k in keys[i % len(keys):] + keys[:i % len(keys)]:
-            t = time.perf_counter()
-            for _ in range(n):
-                reqs[k].infer([x])
-            out[k].append((time.perf_counter() - t) / n)
-    return out
+    fns = {k: (lambda r=r: r.infer([x])) for k, r in reqs.items()}
+    one = _report.interleaved(fns, repeats=1)
+    n = max(1, int(min_round_s / max(min(v[0] for v in one.values()), 1e-6)))
+    return _report.interleaved(fns, repeats=rounds, inner=n, warmup=0)
 
 
 def lq_file(spec, model, batches, target: str, path: str, outputs: list[str]) -> dict:
@@ -124,22 +114,6 @@ def lq_file(spec, model, batches, target: str, path: str, outputs: list[str]) ->
             "float_layers": [f"{k.layer}: {k.kernel}, {k.reason}" for k in res.layer_kernels if not k.integer]}
 
 
-def nncf_file(fp32_path: str, out_path: str, batches, preset: str | None) -> float:
-    import logging
-
-    import nncf
-    import onnx
-
-    model = onnx.load(fp32_path)
-    name = model.graph.input[0].name
-    nncf.set_log_level(logging.ERROR)
-    kw = {} if preset is None else {"preset": nncf.QuantizationPreset(preset)}
-    t = time.perf_counter()
-    out = nncf.quantize(model, nncf.Dataset([{name: b.numpy()} for b in batches]), subset_size=len(batches), **kw)
-    onnx.save(out, out_path)
-    return time.perf_counter() - t
-
-
 def run_model(spec, fast: bool, d: str, bf16: bool) -> dict:
     torch.manual_seed(0)
     xtr, ytr, xte, yte = L.dataset(spec.data, fast)
@@ -158,7 +132,9 @@ def run_model(spec, fast: bool, d: str, bf16: bool) -> dict:
         row["lq"][LQ_ORT] = lq_file(spec, model, batches, "onnxruntime", paths[LQ_ORT], outputs)
     for name, preset in ((NNCF, None),) + (() if fast else ((NNCF_MIXED, "mixed"),)):
         paths[name] = os.path.join(d, f"{SHORT[name].replace(' ', '_')}.onnx")
-        row["seconds"][name] = nncf_file(fp32["legacy"], paths[name], batches, preset)
+        t = time.perf_counter()
+        nncf_quantize(fp32["legacy"], paths[name], batches, preset)
+        row["seconds"][name] = time.perf_counter() - t
     for name, p in {"FP32 (current exporter)": fp32["dynamo"], **paths}.items():
         row["quality"][name] = ov_quality(spec, p, xte, yte)
         row["layers"][name] = integer_layers(p)

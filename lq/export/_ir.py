@@ -43,6 +43,9 @@ class QuantNodeInfo:
 # =========================================================================== graph wrapper
 #: onnxruntime's contrib-op domain (MatMulNBits, DynamicQuantizeLSTM, QuickGelu)
 MS_DOMAIN = "com.microsoft"
+#: the ops of a quantized layer's computation (conv, linear, matmul): what the kernel reports and the runtime-fault
+#: search look at
+COMPUTE = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
 
 class Graph:

@@ -14,7 +14,7 @@ import re
 
 import onnx
 
-from lq.export._ir import Graph, as_model
+from lq.export._ir import COMPUTE, Graph, as_model
 from lq.export.passes._mean_first import MEAN_FIRST
 from lq.export.passes._float_convs import FLOAT_BY_CHOICE, FLOAT_MARKERS
 from lq.rules.onnxruntime import (ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP, ORT_INT8_CONV_MIN_REDUCTION,
@@ -39,8 +39,7 @@ INPUT_OFF = ("float by choice: its input quantizer is off (lq does that in the f
 #: reasons of convs the export left float on purpose, because that is faster
 CHOSEN = (BY_CHOICE, ON_THE_MEAN, HEAD_BY_CHOICE, INPUT_OFF)
 
-#: exported ops a layer's kernel is reported for (the compute ops and the quantized joins/pools)
-COMPUTE = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+#: exported ops a layer's kernel is reported for: the compute ops (lq.export._ir.COMPUTE) and the quantized joins/pools
 _JOINS = ("Add", "Mul", "Concat", "AveragePool", "GlobalAveragePool")
 #: the op a block-quantized Linear is written as for onnxruntime (its 4/8-bit weight kernel)
 BLOCK_KERNEL = "MatMulNBits"

@@ -20,12 +20,13 @@ import dataclasses
 import numpy as np
 import onnx
 
+from lq.export._ir import COMPUTE
+
 #: an op whose output one runtime computes this far (a fraction of max|output|) from the other's is wrong: rounding
 #: differences stay within a few output steps (a few percent at most); the fault measured was ~100%
 FAULT_FRACTION = 0.25
 #: at most this many layers are sent to float for runtime faults before the export gives up and raises
 MAX_FAULTS = 4
-COMPUTE = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
 
 @dataclasses.dataclass(frozen=True)
