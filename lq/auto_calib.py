@@ -21,9 +21,13 @@ batches among them): two selection batches can say nothing about the rest (blank
 data set). When the choice scores below all-``max`` there, every group goes back to ``max``: the default
 is never worse than ``max`` on the model's output over the calibration data it checked (measured on a
 VGG-BN + U-Net text detector calibrated on 16 digit "pages", two blank ones first: the search's choice
-scores R2 0.18 and the cosine search's -0.34 with no text found, max 0.997; ``auto`` now keeps max). The check costs three forwards
-per check batch. The outcome (:class:`AutoResult`: the choice per role, both scores, the gain) is logged
-on the ``lq`` logger, returned by :func:`lq.calibrate_model` as ``.auto``, and shown in the summary table
+scores R2 0.18 and the cosine search's -0.34 with no text found, max 0.997; ``auto`` now keeps max).
+
+The float outputs the search and the check compare with are the calibration's range pass's (that pass runs
+the model in float), and a batch scored once with some amaxes is not scored again, so the check costs two
+forwards (the choice, max) per check batch the search did not score. The outcome (:class:`AutoResult`: the
+choice per role, both scores, the gain) is logged on the ``lq`` logger, returned by :func:`lq.calibrate_model`
+as ``.auto``, and shown in the summary table
 (``auto: <method>`` in the method column, the outcome as its caption).
 
 Under torch.distributed the metric is averaged over the ranks before every comparison, the check's
@@ -56,7 +60,7 @@ PERCENTILE = 99.999
 #: calibration batches the per-role search runs on (the first ones)
 SELECTION_BATCHES = 2
 #: calibration batches the whole choice is checked against ``max`` on (the selection batches and more,
-#: spread over the calibration data): three forwards each (float, the choice, max)
+#: spread over the calibration data): two forwards each (the choice, max), the selection batches' already made
 CHECK_BATCHES = 8
 #: the most layer roles the search tries one by one; beyond, :func:`coarse_role` groups the layers
 MAX_ROLES = 16
@@ -176,10 +180,14 @@ def _ddp_mean(metric: Callable[[nn.Module], float | None], process_group=None):
 
 def choose(model: nn.Module, quantizers: list, methods: Mapping[str, str], batches: list,
            forward: Callable[[nn.Module, Any], Any], process_group=None,
-           check: Sequence | None = None) -> AutoResult | None:
+           check: Sequence | None = None, reference: Sequence | None = None) -> AutoResult | None:
     """Set amax of the ``auto`` quantizers (already loaded at ``max``) by the search on ``batches`` (the
     selection batches), then check the choice against ``max`` everywhere on ``check`` (default: ``batches``)
-    and fall back to ``max`` when it is worse. Returns what was done (None: nothing to choose)."""
+    and fall back to ``max`` when it is worse. Returns what was done (None: nothing to choose).
+
+    ``reference``: the float model's outputs on ``check`` where the calibration pass kept them
+    (:func:`lq.calib._fidelity.output_rows`); else one float forward per check batch makes them. Each batch's
+    score is kept per choice of amax, so the check costs forwards only for what the search did not score."""
     auto = [n for n, _ in quantizers if methods.get(n) == "auto"]
     grp = groups(model, auto)
     if not grp or (not batches and not _distributed()):
@@ -189,9 +197,20 @@ def choose(model: nn.Module, quantizers: list, methods: Mapping[str, str], batch
         if n in auto:
             setattr(q, CHOICE_ATTR, "max")  # where they start (and stay, when the search cannot run)
             setattr(q, NOTE_ATTR, None)
+    members = group_members(model, grp)
+    moving = [q for qs in members.values() for q in qs]
+    memo: dict = {}
+
+    def state(m):
+        return _amax_key(moving)
+
+    known = {id(b): r for b, r in zip(check, reference or ())}
     try:
         if batches:
-            metric = fidelity_metric(model, batches[:SELECTION_BATCHES], forward=forward, kind=METRIC)
+            sel = batches[:SELECTION_BATCHES]
+            metric = fidelity_metric(model, sel, forward=forward, kind=METRIC, state=state, memo=memo,
+                                     reference=[known.get(id(b)) for b in sel])
+            known.update((id(b), r) for b, r in zip(sel, metric.reference))
         else:  # this rank's shard was empty: it still takes part in every reduction
             def metric(m):
                 return None
@@ -207,13 +226,12 @@ def choose(model: nn.Module, quantizers: list, methods: Mapping[str, str], batch
                                            progress=lambda msg: shown.advance(description=f"Calibration 'auto': {msg}"))
     chosen = dict(search.methods)
     result = AutoResult(chosen, dict(chosen), trace=search.trace)
-    members = group_members(model, grp)
     if any(m != "max" for m in chosen.values()):
-        # the choice as a whole against max everywhere, on the model's output over the check batches
-        if check and [id(b) for b in check] == [id(b) for b in batches[:SELECTION_BATCHES]]:
-            whole = metric
-        elif check:
-            whole = fidelity_metric(model, check, forward=forward, kind=METRIC)
+        # the choice as a whole against max everywhere, on the model's output over the check batches (the
+        # selection batches among them scored already: only the others run)
+        if check:
+            whole = fidelity_metric(model, check, forward=forward, kind=METRIC, state=state, memo=memo,
+                                    reference=[known.get(id(b)) for b in check])
         else:
             def whole(m):
                 return None
@@ -237,15 +255,27 @@ def choose(model: nn.Module, quantizers: list, methods: Mapping[str, str], batch
     return result
 
 
+def _amax_key(quantizers: Sequence) -> bytes:
+    """The amaxes of ``quantizers`` as they stand, as one key: equal keys, equal quantized model (an asymmetric
+    quantizer's range follows from its amax and its calibrator)."""
+    return torch.cat([q.amax.detach().reshape(-1).double().cpu() for q in quantizers]).numpy().tobytes()
+
+
+def check_indices(seen: int, n: int = CHECK_BATCHES) -> set[int]:
+    """Which of ``seen`` calibration batches :func:`check_batches` takes: the selection batches and the rest
+    spread evenly over the calibration data."""
+    if seen <= n:
+        return set(range(seen))
+    rest = n - SELECTION_BATCHES
+    keep = set(range(SELECTION_BATCHES))
+    return keep | {SELECTION_BATCHES + round(i * (seen - 1 - SELECTION_BATCHES) / max(1, rest - 1))
+                   for i in range(rest)}
+
+
 def check_batches(batches: Iterable, seen: int, n: int = CHECK_BATCHES) -> list:
     """Up to ``n`` of the first ``seen`` batches of (replayable) ``batches``: the selection batches and the
     rest spread evenly over the calibration data."""
-    if seen <= n:
-        keep = set(range(seen))
-    else:
-        rest = n - SELECTION_BATCHES
-        keep = set(range(SELECTION_BATCHES))
-        keep |= {SELECTION_BATCHES + round(i * (seen - 1 - SELECTION_BATCHES) / max(1, rest - 1)) for i in range(rest)}
+    keep = check_indices(seen, n)
     out = []
     for i, b in enumerate(batches):
         if i >= seen:

@@ -38,6 +38,7 @@ from torch import nn
 
 from lq import auto_calib
 from lq import progress as lq_progress
+from lq.calib import _fidelity
 from lq.calib import bias_correction as _bias
 from lq.calib._forward import default_forward, model_inputs
 from lq.nn.modules.tensor_quantizer import TensorQuantizer, iter_quantizers, name_quantizers
@@ -135,6 +136,7 @@ def collect(
     num_bins: int = 2048,
     progress: Callable[[Iterable, int | None], Iterable] | None = None,
     process_group=None,
+    outputs: Callable[[int, Any], None] | None = None,
 ) -> int:
     """Run ``model`` over up to ``num_batches`` batches with collection on; return how many ran.
 
@@ -143,6 +145,9 @@ def collect(
     reduced over ``process_group``), then a histogram pass over the same batches
     with each histogram started on its global range (only the histogram
     quantizers collect). A one-shot iterator is read into a list first.
+
+    ``outputs(i, result)`` is given the forward's result on each batch of the first pass: where every quantizer
+    the model has on is among ``quantizers``, that is the float model's output (:func:`float_outputs_known`).
     """
     from lq import calib
 
@@ -160,7 +165,7 @@ def collect(
         q.calibrator.reset()
     if hist:
         batches = _replayable(batches, num_batches)
-    seen = _run(model, batches, quantizers, num_batches, forward, progress)
+    seen = _run(model, batches, quantizers, num_batches, forward, progress, outputs=outputs)
     if not hist:
         return seen
     ranges = []
@@ -183,9 +188,18 @@ def _replayable(batches: Iterable, num_batches: int | None) -> Iterable:
     return list(batches) if num_batches is None else [b for _, b in zip(range(num_batches), batches)]
 
 
-def _run(model, batches, quantizers, num_batches, forward, progress, collecting=None) -> int:
+def float_outputs_known(model: nn.Module, quantizers) -> bool:
+    """Whether a collection pass over ``quantizers`` runs ``model`` in float: every quantizer that would quantize
+    is among them (collection switches their quantization off), so the pass's outputs are the float model's."""
+    calibrating = {id(q) for _, q in quantizers}
+    return all(id(q) in calibrating for q in model.modules()
+               if isinstance(q, TensorQuantizer) and not q._disabled and q._if_quant)
+
+
+def _run(model, batches, quantizers, num_batches, forward, progress, collecting=None, outputs=None) -> int:
     """One pass over the batches with ``quantizers`` not quantizing and collecting (only the ids in
-    ``collecting`` when given, the others pass their input through); switches restored after."""
+    ``collecting`` when given, the others pass their input through); switches restored after. ``outputs(i, result)``
+    is given each forward's result."""
     saved = [(q, q._if_quant, q._if_calib) for _, q in quantizers]
     was_training = model.training
     seen = 0
@@ -206,7 +220,9 @@ def _run(model, batches, quantizers, num_batches, forward, progress, collecting=
             for batch in it:
                 if num_batches is not None and seen >= num_batches:
                     break
-                forward(model, batch)
+                result = forward(model, batch)
+                if outputs is not None:
+                    outputs(seen, result)
                 seen += 1
                 shown.advance()
     finally:
@@ -378,8 +394,9 @@ def _calibrate(model, batches, method, weight_method, method_overrides, num_batc
     blocks = block_method != "max" and bool(_block_search.block_layers(model, calibrated=False))
     if auto or bias_correction or blocks:  # the searches and the correction run the model on the batches again
         batches = _replayable(batches, num_batches)
+    keeper = _ReferenceKeeper(model, quantizers, batches, num_batches) if auto else None
     seen = collect(model, batches, quantizers, methods, num_batches=num_batches, forward=forward,
-                   num_bins=num_bins, progress=progress, process_group=process_group)
+                   num_bins=num_bins, progress=progress, process_group=process_group, outputs=keeper)
     # a rank whose shard is empty still joins the reduction below (an empty contribution): deciding on the
     # global count keeps every rank on the same path, where a local raise would leave the others hanging
     if global_count(seen, process_group) == 0:
@@ -394,13 +411,41 @@ def _calibrate(model, batches, method, weight_method, method_overrides, num_batc
     check = auto_calib.check_batches(batches, seen) if auto or bias_correction else []
     if auto:
         selection = check[:auto_calib.SELECTION_BATCHES]
-        result.auto = auto_calib.choose(model, quantizers, methods, selection, forward, process_group, check=check)
+        result.auto = auto_calib.choose(model, quantizers, methods, selection, forward, process_group, check=check,
+                                        reference=keeper.outputs(seen))
         result.update({name: q.amax for name, q in quantizers if name in amax})
     if blocks:  # moves weights (AWQ's scaling, GPTQ's rounding): before the correction, which measures the outputs
         result.block_choices = _block_search.search_block_scales(model, block_method, batches, forward, num_batches)
     if bias_correction:
         result.bias_correction = correct_biases(model, check, forward, process_group=process_group)
     return result
+
+
+class _ReferenceKeeper:
+    """Keeps the float model's outputs on the batches ``auto`` checks its choice on, as the range pass makes them
+    (where that pass runs the model in float and the batch count is known before it): the check then needs no
+    float forward of its own."""
+
+    def __init__(self, model, quantizers, batches, num_batches):
+        n = len(batches) if hasattr(batches, "__len__") else None
+        if num_batches is not None:
+            n = num_batches if n is None else min(n, num_batches)
+        self.expected = n if n is not None and float_outputs_known(model, quantizers) else None
+        self.keep = auto_calib.check_indices(self.expected) if self.expected is not None else set()
+        self.kept: dict = {}
+
+    def __call__(self, i: int, result) -> None:
+        if i in self.keep and self.expected is not None:
+            try:
+                self.kept[i] = _fidelity.output_rows(result, None)
+            except Exception:  # noqa: BLE001 - no tensor to keep: the check makes its own reference (and says why)
+                self.expected = None
+
+    def outputs(self, seen: int) -> list | None:
+        """The kept outputs in check-batch order, None unless every check batch's is there."""
+        if self.expected != seen or set(self.kept) != self.keep:
+            return None
+        return [self.kept[i] for i in sorted(self.keep)]
 
 
 def correct_biases(model: nn.Module, batches: Iterable, forward: Callable[[nn.Module, Any], Any] = default_forward, *,

@@ -20,12 +20,13 @@ import onnx
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from lq.calibration import calibrate_model
 from lq.config import ExportConfig
 from lq.convert import quantize_model
 from lq.export import _export, export_onnx
-from lq.export.timing import _fp32_reference, _timing
+from lq.export.timing import _float_twin, _fp32_reference, _timing
 from lq.export.verify import _verify
 
 torch.set_flush_denormal(True)
@@ -220,13 +221,19 @@ def test_the_reference_is_the_faster_of_the_two_exporters_files(tmp_path, monkey
 
     x = torch.randn(4, 3, 16, 16)
     model = _calibrated(ConvBN(), x)
-    real = _speed._fp32_reference.plain_export
+    real, real_twin = _speed._fp32_reference.plain_export, _speed._float_twin.plain_twin
     for legacy_faster in (True, False):
         made = []
 
         def plain(*a, **kw):
             proto = real(*a, **kw)
             made.append((a[2], proto.SerializeToString()))  # (dynamo, the file)
+            return proto
+
+        def twin(*a, **kw):  # the current exporter's file, made from the export's own trace
+            proto = real_twin(*a, **kw)
+            if proto is not None:
+                made.append((True, proto.SerializeToString()))
             return proto
 
         def rounds(a, b, feeds, providers=None, **kw):
@@ -236,6 +243,7 @@ def test_the_reference_is_the_faster_of_the_two_exporters_files(tmp_path, monkey
             return [0.001] * 5, [0.001] * 5, 1
 
         monkeypatch.setattr(_speed._fp32_reference, "plain_export", plain)
+        monkeypatch.setattr(_speed._float_twin, "plain_twin", twin)
         monkeypatch.setattr(_timing, "time_rounds", rounds)
         seen = _spy_compare(monkeypatch)
         res = export_onnx(model, x, tmp_path / "m.onnx", fallback_seconds=0)
@@ -244,6 +252,63 @@ def test_the_reference_is_the_faster_of_the_two_exporters_files(tmp_path, monkey
         assert ("legacy exporter's file" if legacy_faster else "current exporter's file") in res.speed_check.reference
         assert "by 2.00x" in res.speed_check.reference
         monkeypatch.undo()
+
+
+class Styles(nn.Module):
+    """A residual conv block with a squeeze-excite gate written with functional calls, a max pool, a Linear whose
+    weight goes to ``F.linear``, a GELU MLP: what the FP32 twin has to match the plain export on."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.conv = nn.Conv2d(16, 16, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        self.se1, self.se2 = nn.Conv2d(16, 4, 1), nn.Conv2d(4, 16, 1)
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        y = self.bn(self.conv(x))
+        gate = torch.sigmoid(self.se2(F.relu(self.se1(y.mean((2, 3), keepdim=True)))))
+        x = F.max_pool2d(F.relu(x + y * gate), 2)
+        h = F.gelu(F.linear(x.mean((2, 3)), self.fc1.weight, self.fc1.bias))
+        return self.fc2(h)
+
+
+def _op_counts(proto):
+    return Counter(n.op_type for n in proto.graph.node if n.op_type != "Identity")
+
+
+def test_the_current_exporters_fp32_file_is_made_from_the_exports_own_trace():
+    """The twin of the export's trace, cleaned up as the current exporter cleans up, is that exporter's plain FP32
+    file: the same operators, the same initializers, the same outputs as ``torch.onnx.export`` of the float model.
+    A model whose quantized modules run other code than their float ones (an LSTM) gets no twin."""
+    from lq.export.prepare._prepare import prepare
+    from lq.export.trace import _trace
+
+    x = torch.randn(4, 3, 16, 16)
+    model = _calibrated(Styles(), x)
+    cfg = ExportConfig()
+    prep = prepare(model, (x,), cfg)
+    traced = _trace.trace(prep, cfg)
+    twin = _float_twin.plain_twin(_float_twin.float_twin(traced.proto), prep.work)
+    plain = _fp32_reference.plain_export(prep.work, prep.args, True, prep.opset, prep.input_names,
+                                         prep.output_names, prep.dims)
+    assert twin is not None and _op_counts(twin) == _op_counts(plain)
+    assert "BatchNormalization" not in _op_counts(twin)  # folded into the convs, as the exporter folds it
+    assert len(twin.graph.initializer) == len(plain.graph.initializer)
+    feeds = lambda p: {p.graph.input[0].name: x.numpy()}  # noqa: E731
+    a = ort.InferenceSession(twin.SerializeToString()).run(None, feeds(twin))[0]
+    b = ort.InferenceSession(plain.SerializeToString()).run(None, feeds(plain))[0]
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        ref = _fp32_reference.float_model(prep.work)(x).numpy()
+    np.testing.assert_allclose(a, ref, rtol=1e-4, atol=1e-5)
+
+    r = torch.randn(2, 6, 5)
+    lstm = _calibrated(Recurrent(), r)
+    prep = prepare(lstm, (r,), cfg)
+    assert _float_twin.plain_twin(_float_twin.float_twin(_trace.trace(prep, cfg).proto), prep.work) is None
 
 
 def test_an_lstm_is_compared_with_the_fused_lstm_op_a_plain_export_has(tmp_path, monkeypatch):
@@ -283,6 +348,7 @@ def test_a_model_the_exporter_cannot_export_in_float_falls_back_to_the_twin_and_
         raise RuntimeError("cannot export this float model")
 
     monkeypatch.setattr(_fp32_reference, "plain_export", fail)
+    monkeypatch.setattr(_float_twin, "plain_twin", lambda twin, work: None)  # as for a model with an LSTM
     seen = _spy_compare(monkeypatch)
     res = export_onnx(model, x, tmp_path / "m.onnx", fallback_seconds=0)
     assert res.speed_check is not None and res.speed_check.reference == _timing.TWIN

@@ -217,11 +217,14 @@ def fidelity_metric(
     forward: Callable[[nn.Module, Any], Any] | None = None,
     output: Callable[[Any, Any], torch.Tensor] | None = None,
     kind: str = "cosine",
+    reference: Sequence[torch.Tensor] | None = None,
+    state: Callable[[nn.Module], Any] | None = None,
+    memo: dict | None = None,
 ) -> Metric:
     """A metric that needs no labels: how close the quantized model's outputs stay to the floating point ones.
 
     The floating point reference is computed now, on ``batches``, with every quantizer of ``model``
-    switched off (``model`` may already be quantized). ``kind``:
+    switched off (``model`` may already be quantized), unless it is given. ``kind``:
 
     * ``"cosine"``: mean cosine similarity of the flattened per-sample outputs (higher is better). Blind to
       scale: a score map at half its amplitude, or shifted, keeps a cosine near 1 while every threshold
@@ -239,44 +242,75 @@ def fidelity_metric(
         forward: ``forward(model, batch)`` (default :func:`lq.calibration.default_forward`).
         output: ``output(result_of_forward, batch) -> tensor (batch, ...)``, e.g. pooled embeddings
             (default: the forward result itself, or its first element / ``last_hidden_state``).
+        reference: the float outputs on ``batches`` already at hand, one per batch as :func:`output_rows` makes
+            them (a calibration pass that ran the model in float has them); None (or a None entry): computed now.
+        state: ``state(model) -> a hashable key`` of the model's quantization as it stands. With it each batch's
+            score is kept per state in ``memo`` (a dict; metrics on overlapping batches may share one), so a
+            state scored before costs no forward again: a search that comes back to a state, or a check that
+            scores on more batches what a search scored on some.
+
+    The metric's ``reference`` attribute holds the float outputs it compares with.
     """
     if kind not in FIDELITY_KINDS:
         raise ValueError(f"kind={kind!r} is not allowed: choose one of {list(FIDELITY_KINDS)}")
     batches = list(batches)
     fwd = forward or default_forward
     out_fn = output or _default_output
+    memo = {} if memo is None else memo
 
     @torch.no_grad()
-    def run(m):
+    def run(m, b):
         was = m.training
         m.eval()
         try:
-            return [out_fn(fwd(m, b), b).detach().float().flatten(1) for b in batches]
+            return output_rows(fwd(m, b), b, out_fn)
         finally:
             m.train(was)
 
-    with quantization_disabled(model):
-        ref = run(model)
+    ref = [None] * len(batches) if reference is None else list(reference)
+    if len(ref) != len(batches):
+        raise ValueError(f"reference has {len(ref)} output(s) for {len(batches)} batch(es)")
+    if any(r is None for r in ref):
+        with quantization_disabled(model):
+            ref = [run(model, b) if r is None else r for b, r in zip(batches, ref)]
     if kind == "r2":
         mean = sum(float(r.double().sum()) for r in ref) / max(1, sum(r.numel() for r in ref))
         variance = sum(float(((r.double() - mean) ** 2).sum()) for r in ref)
 
-    def metric(m: nn.Module) -> float:
-        outs = run(m)
+    def batch_score(m, b, r) -> float:
+        """The batch's share of the metric's sum (squared error, summed cosine, agreeing rows)."""
+        key = None if state is None else (state(m), id(b), kind)
+        if key is not None and key in memo:
+            return memo[key]
+        o = run(m, b)
         if kind == "cosine":
-            vals = [torch.nn.functional.cosine_similarity(o, r, dim=1) for o, r in zip(outs, ref, strict=True)]
-            return float(torch.cat(vals).mean())
-        if kind in ("mse", "r2"):
-            se = sum(float(((o.double() - r.double()) ** 2).sum()) for o, r in zip(outs, ref, strict=True))
-            if kind == "mse":
-                return se / sum(r.numel() for r in ref)
-            return 1.0 - se / variance if variance > 0 else (1.0 if se == 0 else -math.inf)
-        agree = sum(int((o.argmax(1) == r.argmax(1)).sum()) for o, r in zip(outs, ref, strict=True))
-        return agree / sum(len(r) for r in ref)
+            v = float(torch.nn.functional.cosine_similarity(o, r, dim=1).sum())
+        elif kind in ("mse", "r2"):
+            v = float(((o.double() - r.double()) ** 2).sum())
+        else:
+            v = float((o.argmax(1) == r.argmax(1)).sum())
+        if key is not None:
+            memo[key] = v
+        return v
+
+    def metric(m: nn.Module) -> float:
+        total = sum(batch_score(m, b, r) for b, r in zip(batches, ref, strict=True))
+        if kind == "mse":
+            return total / sum(r.numel() for r in ref)
+        if kind == "r2":
+            return 1.0 - total / variance if variance > 0 else (1.0 if total == 0 else -math.inf)
+        return total / sum(len(r) for r in ref)
 
     metric.higher_is_better = kind != "mse"  # type: ignore[attr-defined]
     metric.__name__ = f"output {kind} vs float"
+    metric.reference = ref  # type: ignore[attr-defined]
     return metric
+
+
+def output_rows(result, batch, output: Callable[[Any, Any], torch.Tensor] | None = None) -> torch.Tensor:
+    """A forward's result as :func:`fidelity_metric` compares it: the output tensor (``output(result, batch)``,
+    default the result itself or its first element / ``last_hidden_state``), one float row per sample."""
+    return (output or _default_output)(result, batch).detach().float().flatten(1)
 
 
 def _default_output(result, batch):

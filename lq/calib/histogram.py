@@ -267,8 +267,23 @@ class HistogramCalibrator(_Calibrator):
             raise ValueError(f"percentile {percentile!r} is out of range: it must be in (0, 100]")
         if self._counts is None:
             return None
-        with serial_cpu(self._counts.device):
-            return self._compute_amax(method, stride, start_bin, percentile)
+        key = (method, stride, start_bin, float(percentile))
+        memo = self._amax_memo()
+        if key not in memo:  # ``auto`` asks every method of every quantizer several times over one histogram
+            with serial_cpu(self._counts.device):
+                memo[key] = self._compute_amax(method, stride, start_bin, percentile)
+        return memo[key].clone()
+
+    def _amax_memo(self) -> dict:
+        """The amaxes computed on the histogram as it is now: emptied when the state changes (a new tensor, or an
+        in-place change, which bumps a tensor's version). The memo holds the tensors themselves, so an identity
+        it compares cannot be reused by another tensor."""
+        state = tuple((t, t._version) for t in (self._counts, self._width, self._nbins, self._absmax))
+        held = getattr(self, "_memo_state", None)
+        if held is None or len(held) != len(state) or any(a is not b or va != vb
+                                                           for (a, va), (b, vb) in zip(held, state)):
+            self._memo_state, self._memo = state, {}
+        return self._memo
 
     def _compute_amax(self, method, stride, start_bin, percentile):
         width, n = self._width.double(), self._nbins

@@ -43,6 +43,28 @@ def float_twin(model: onnx.ModelProto, fused_recurrent: bool = True) -> onnx.Mod
     return twin
 
 
+def plain_twin(twin: onnx.ModelProto, work) -> onnx.ModelProto | None:
+    """The user's plain FP32 export with the current exporter, made from the twin instead of a second trace: the
+    twin cleaned up as that exporter cleans up what it wrote (:mod:`lq.export.trace._optimize`: constants folded,
+    BatchNorm into the convs, the Identities gone). Where every lq module of ``work`` traces as its float module
+    does (``traces_as_float``), that is the same graph: the same operators, initializers and outputs on the five
+    library CNNs of ``bench.library``, for 0.02-0.2 s where the export takes 0.5-6 s (Intel Xeon). None where
+    it is not (an LSTM, ``nn.MultiheadAttention``), or where this onnxscript lacks the optimizer's pieces: the
+    model is then exported."""
+    from lq.nn.modules._utils import QuantMixin
+
+    if any(isinstance(m, QuantMixin) and not getattr(m, "traces_as_float", True) for m in work.modules()):
+        return None
+    import onnx_ir as ir
+
+    from lq.export.trace import _optimize
+
+    model = ir.from_proto(twin)
+    if not _optimize.optimize_model(model):
+        return None
+    return ir.to_proto(model)
+
+
 def _pass_through(graph: onnx.GraphProto) -> None:
     """Each placeholder of ``graph`` and of its loop bodies -> an Identity of its input."""
     nodes = []

@@ -136,6 +136,11 @@ class QuantMixin:
     #: names of the quantizer submodules (TensorQuantizer or ModuleList of them) this class adds
     _quantizer_names: tuple[str, ...] = ("_input_quantizer", "_weight_quantizer")
     _has_weight = True
+    #: with its quantizers passing their inputs on, the forward traces to the graph its float module's does (a
+    #: conv, a linear, a pool): the FP32 twin of an export is then the user's plain FP32 export
+    #: (:func:`lq.export.timing._float_twin.plain_twin`). False where the float module runs other code (an LSTM's
+    #: fused op, ``nn.MultiheadAttention``'s fast path).
+    traces_as_float = True
 
     @classmethod
     def set_default_quant_desc_input(cls, value):

@@ -54,6 +54,8 @@ def _additive_mask(mask, name, dtype):
 class QuantMultiheadAttention(nn.MultiheadAttention, QuantMixin):
     """``nn.MultiheadAttention`` with quantized projections and quantized inputs of both matmuls."""
 
+    traces_as_float = False  # its own attention code, not nn.MultiheadAttention's
+
     default_quant_desc_weight = tensor_quant.QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW
     _quantizer_names = (
         "_input_quantizer",

@@ -101,6 +101,8 @@ def runtime_dynamic_step(x_q, h, c, w_ih, w_hh, b_ih, b_hh):
 class QuantLSTMCell(nn.LSTMCell, QuantMixin):
     """``nn.LSTMCell`` with ``[input | hidden]`` and ``[W_ih | W_hh]`` each fake-quantized as one tensor."""
 
+    traces_as_float = False  # its own cell arithmetic on the concatenated input, not nn.LSTMCell's op
+
     default_quant_desc_weight = tensor_quant.QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW
 
     def weight_quantizer_pairs(self):
@@ -143,6 +145,8 @@ def _join(outs, batch_sizes):
 class QuantLSTM(nn.LSTM, QuantMixin):
     """``nn.LSTM`` (layers, bidirectional, batch_first, dropout, proj_size, PackedSequence) with
     ``[x_t | h_{t-1}]`` and ``[W_ih | W_hh]`` fake-quantized as one tensor each, per layer and direction."""
+
+    traces_as_float = False  # its own step loop, not nn.LSTM's one fused op
 
     default_quant_desc_weight = tensor_quant.QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW
     _quantizer_names = ("_input_quantizers", "_weight_quantizers", "_weight_hr_quantizers")
