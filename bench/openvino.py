@@ -17,7 +17,9 @@ not bf16); files are timed in turns within each round (medians of the rounds), a
 baseline is the faster of the user's two plain FP32 exports (current and legacy exporter) in the same plugin;
 where the CPU runs bf16 natively, that file's time with the bf16 hint is shown beside (what OpenVINO does to an
 "FP32" model by default there). Accuracy (IoU for the dense net) of every file in OpenVINO on the held-out
-digits; the convolutions and matmuls that run on integers in OpenVINO's compiled graph.
+digits, also with OpenVINO's kernels capped at AVX2 (what a CPU without VNNI computes: its int8 kernels add pairs
+of u8 x s8 products in a saturating int16); the convolutions and matmuls that run on integers in OpenVINO's
+compiled graph.
 
 Targets (issue 42): lq's OpenVINO file at least NNCF's default file's speed at every batch, at least OpenVINO
 FP32's, and accuracy within 0.3 point of NNCF's.
@@ -70,6 +72,32 @@ def ov_quality(spec, path: str, x, y) -> float:
     return L.quality(spec, [np.concatenate(parts) for parts in zip(*outs, strict=True)], y)
 
 
+#: what OpenVINO's kernels are capped at for the "no VNNI" accuracy: its int8 convs and matmuls then add pairs of
+#: u8 x s8 products in a saturating int16, as on an AVX2-only CPU or an AVX-512 one before Cascade Lake
+NO_VNNI_ISA = "AVX2"
+_NO_VNNI_CODE = """
+import json, sys, numpy as np, torch
+from bench import library as L, openvino as B
+spec = L.MODELS[int(sys.argv[1])]
+x, y = torch.from_numpy(np.load(sys.argv[2])), torch.from_numpy(np.load(sys.argv[3]))
+print(json.dumps({k: B.ov_quality(spec, p, x, y) for k, p in json.loads(sys.argv[4]).items()}))
+"""
+
+
+def no_vnni_quality(index: int, paths: dict, x, y, d: str) -> dict:
+    """Each file's accuracy in OpenVINO with its kernels capped at :data:`NO_VNNI_ISA` (``ONEDNN_MAX_CPU_ISA``, read
+    when the plugin loads: a process of its own): what a CPU without VNNI computes from the same file."""
+    import json
+    import subprocess
+
+    np.save(xp := os.path.join(d, "no_vnni_x.npy"), x.numpy())
+    np.save(yp := os.path.join(d, "no_vnni_y.npy"), y.numpy())
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA=NO_VNNI_ISA)
+    out = subprocess.run([sys.executable, "-c", _NO_VNNI_CODE, str(index), xp, yp, json.dumps(paths)], env=env,
+                         capture_output=True, text=True, timeout=1800, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def integer_layers(path: str) -> str:
     from lq.export.verify import _openvino
 
@@ -114,7 +142,7 @@ def lq_file(spec, model, batches, target: str, path: str, outputs: list[str]) ->
             "float_layers": [f"{k.layer}: {k.kernel}, {k.reason}" for k in res.layer_kernels if not k.integer]}
 
 
-def run_model(spec, fast: bool, d: str, bf16: bool) -> dict:
+def run_model(index: int, spec, fast: bool, d: str, bf16: bool) -> dict:
     torch.manual_seed(0)
     xtr, ytr, xte, yte = L.dataset(spec.data, fast)
     model = spec.build(fast)
@@ -138,6 +166,7 @@ def run_model(spec, fast: bool, d: str, bf16: bool) -> dict:
     for name, p in {"FP32 (current exporter)": fp32["dynamo"], **paths}.items():
         row["quality"][name] = ov_quality(spec, p, xte, yte)
         row["layers"][name] = integer_layers(p)
+    row["quality_no_vnni"] = no_vnni_quality(index, paths, xte, yte, d)
     row["speedup"], row["ms"] = {}, {}
     for b in batch_sizes(fast):
         x = np.ascontiguousarray(xte[:b].numpy())
@@ -176,6 +205,9 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
         tol = 0.003
         out.append((f"{name}: accuracy >= NNCF's - 0.3 point", f"{_q(r, lq_q)} vs NNCF {_q(r, nncf_q)}",
                     lq_q >= nncf_q - tol))
+        no_vnni = r["quality_no_vnni"][LQ_OV]
+        out.append((f"{name}: lq's file as accurate without VNNI ({NO_VNNI_ISA}) as with it (within 0.3 point)",
+                    f"{_q(r, no_vnni)} vs {_q(r, lq_q)}", no_vnni >= lq_q - tol))
     return out
 
 
@@ -197,6 +229,13 @@ def write_markdown(rows: list[dict], out: Path, cmd: str, seconds: float, fast: 
         ["model", "FP32"] + [SHORT[c] for c in names],
         [[r["model"].split(" (")[0], _q(r, r["quality"]["FP32 (current exporter)"])]
          + [f"{_q(r, r['quality'][c])} ({r['layers'][c]})" for c in names] for r in rows]), ""]
+    lines += [f"## Accuracy in OpenVINO on a CPU without VNNI (its kernels capped at {NO_VNNI_ISA})", "",
+              "The same files, OpenVINO run with `ONEDNN_MAX_CPU_ISA=" + NO_VNNI_ISA + "`: its int8 convolutions and "
+              "matmuls then add pairs of u8 x s8 products in a saturating int16, as on an AVX2-only CPU (lq's "
+              "7-bit weights keep every pair in range).", "", _report.table(
+                  ["model"] + [SHORT[c] for c in names],
+                  [[r["model"].split(" (")[0]] + [_q(r, r["quality_no_vnni"].get(c)) for c in names] for r in rows]),
+              ""]
     lines += ["## What quantizing cost (seconds)", "", _report.table(
         ["model", "lq calibration", "lq export (verified in OpenVINO)", "NNCF default"],
         [[r["model"].split(" (")[0], f"{r['lq'][LQ_OV]['calib_s']:.1f}", f"{r['lq'][LQ_OV]['export_s']:.1f}",
@@ -231,7 +270,7 @@ def main(argv=None) -> int:
             continue
         _report.log(f"{spec.label} ...")
         with tempfile.TemporaryDirectory() as d:
-            row = run_model(spec, args.fast, d, bf16)
+            row = run_model(i, spec, args.fast, d, bf16)
         b = str(max(batch_sizes(args.fast)))
         _report.log("  " + "; ".join(f"{SHORT.get(k, k)} {_report.fmt_ratio(v)}" for k, v in row["speedup"][b].items())
                     + f" at batch {b}; " + ", ".join(f"{SHORT.get(k, k)} {_q(row, v)}" for k, v in row["quality"].items()))

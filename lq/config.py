@@ -287,7 +287,7 @@ class Int8OnnxruntimeConfig(QuantConfig):
 
 @dataclass
 class Int8OpenvinoConfig(QuantConfig):
-    """INT8 on OpenVINO's CPU plugin: symmetric activations (zero point 0), 8-bit symmetric per-channel weights.
+    """INT8 on OpenVINO's CPU plugin: symmetric activations (zero point 0), 7-bit symmetric per-channel weights.
 
     OpenVINO runs a Q/DQ file's convolutions and matmuls on int8 where their input and weights are quantized,
     and fuses the quantizer after a layer into it. Measured (``python -m bench.openvino``): an activation grid
@@ -297,10 +297,15 @@ class Int8OpenvinoConfig(QuantConfig):
     and weights are quantized, and max pools' inputs (``glue=False``, :data:`OPENVINO_TYPES`): a quantizer on a
     tensor that a float op also reads (a residual add's operand, a pooled squeeze-excite input) runs as a separate
     FakeQuantize, which costs more than the integer op saves.
+    Weights on 7 bits (``|q| <= 63``), stored as int8: on a CPU without VNNI (AVX2, and AVX-512 before Cascade
+    Lake) OpenVINO's int8 convolutions and matmuls add pairs of u8 x s8 products in a saturating int16, as
+    onnxruntime's do; with 8-bit weights a conv of 16 channels came out 49% off there (OpenVINO 2026.4 with
+    ``ONEDNN_MAX_CPU_ISA=AVX2`` on a Xeon; exact with VNNI), with 7-bit ones exact on every CPU.
     Standard ONNX ops only (no com.microsoft kernels): LSTMs as Scan loops.
     """
 
     input: QuantizerConfig = field(default_factory=lambda: QuantizerConfig(narrow_range=False))
+    weight: QuantizerConfig = field(default_factory=lambda: QuantizerConfig(num_bits=7, axis=[0]))
     types: Optional[List[str]] = field(default_factory=lambda: list(OPENVINO_TYPES))
     glue: bool = False
     unsigned_after_relu: bool = True

@@ -77,7 +77,45 @@ def test_quantize_model_picks_the_symmetric_recipe():
     assert not any(q.asymmetric for _, q in iter_quantizers(m))
     assert not m.pw._input_quantizer.asymmetric and not m.pw._input_quantizer.narrow_range
     assert m.dw._input_quantizer.unsigned  # reads a ReLU's output: [0, 255]
-    assert m.pw._weight_quantizer.num_bits == 8 and m.pw._weight_quantizer.axis == 0
+    assert m.pw._weight_quantizer.num_bits == 7 and m.pw._weight_quantizer.axis == 0  # |q| <= 63: no int16 overflow
+
+
+_NO_VNNI = """
+import sys, torch, lq
+from lq.export import VerificationError, export_onnx
+sys.path.insert(0, {tests!r})
+from test_export_openvino import Block
+torch.manual_seed(0)
+x = torch.randn(64, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+for bits in (7, 8):
+    m = Block().eval()
+    overrides = {{}} if bits == 7 else {{"*": {{"weight": {{"num_bits": 8, "axis": 0}}}}}}
+    lq.quantize_model(m, target="openvino", sample=x[:2], overrides=overrides)
+    lq.calibrate_model(m, list(x.split(32)), method="max")
+    assert m.pw._weight_quantizer.num_bits == bits
+    try:
+        export_onnx(m, x[:32], {path!r} + str(bits) + ".onnx", target="openvino", progress=False, speed_check=False)
+        print(bits, "verified")
+    except VerificationError as e:
+        print(bits, "refused:", str(e).splitlines()[0][:200])
+"""
+
+
+def test_the_recipes_weights_are_exact_on_a_cpu_without_vnni(tmp_path):
+    """OpenVINO with its kernels capped at AVX2 (``ONEDNN_MAX_CPU_ISA``, read when the plugin loads: a process of
+    its own) adds pairs of u8 x s8 products in a saturating int16 as a CPU without VNNI does: the recipe's 7-bit
+    weights verify there; the same model with 8-bit weights (a ReLU's output on [0, 255] times weights up to 127)
+    does not: what the 7 bits are for."""
+    import os
+    import subprocess
+
+    code = _NO_VNNI.format(tests=os.path.dirname(__file__), path=str(tmp_path / "m"))
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln[:2] in ("7 ", "8 ")]
+    assert lines[0] == "7 verified", out.stdout
+    assert lines[1].startswith("8 refused: OpenVINO's output is not the PyTorch fake-quant output"), out.stdout
 
 
 def test_the_file_is_standard_onnx_verified_in_openvino_with_every_layer_on_int8(tmp_path):
@@ -277,3 +315,38 @@ def test_layers_reading_one_tensor_share_its_quantizer(tmp_path):
     quantize = {k: sum(n.op_type == "QuantizeLinear" for n in f.graph.node) for k, f in files.items()}
     assert quantize == {True: 2, False: 3}, quantize  # the input's, and the heads' one (or two)
     assert lq.config.Int8OpenvinoConfig().shared_inputs and not lq.config.Int8OnnxruntimeConfig().shared_inputs
+
+
+class Encoder(nn.Module):
+    """A Linear on a sequence (a 3-D input: OpenVINO's FullyConnected with the dequantization moved into it), an
+    attention block, a pooled head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(16, 64)
+        self.att = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = self.emb(x)
+        a, _ = self.att(h, h, h, need_weights=False)
+        return self.head((h + a).mean(1))
+
+
+def test_the_report_finds_the_linears_openvino_moved_the_dequantization_into(tmp_path):
+    """The plugin names such a layer ``<node>/DequantizationMultiply``: the report still finds it, and says it
+    runs on integers as the compiled graph (read here) does."""
+    torch.manual_seed(0)
+    m = Encoder().eval()
+    x = torch.randn(64, 12, 16, generator=torch.Generator().manual_seed(0))
+    lq.quantize_model(m, target="openvino", sample=x[:2])
+    lq.calibrate_model(m, list(x.split(32)), method="max", progress=False)
+    res = export_onnx(m, x[:32], str(tmp_path / "enc.onnx"), target="openvino", progress=False, speed_check=False)
+    kernels = {k.layer: k for k in res.layer_kernels if k.layer in ("emb", "head")}
+    assert set(kernels) == {"emb", "head"}
+    fcs = [p for p in _compiled_precisions(res.path)]
+    assert len(fcs) >= 2 and set(fcs) <= {"i8", "u8"}
+    for k in kernels.values():
+        assert k.kernel.startswith("FullyConnected (") and k.integer, k
+    projections = [k for k in res.layer_kernels if k.layer == "att" and k.kernel.startswith("FullyConnected (")]
+    assert len(projections) == 3  # q, k and v

@@ -2,7 +2,7 @@
 
 The answer comes from the plugin's compiled graph (:func:`lq.export.verify._openvino.compiled_layers`): each of
 its convolutions and matmuls names the ONNX nodes it was made from (the node's own name, or the name with what the
-plugin split off it: ``node_linear/WithoutBiases``) and the precision it runs at (``i8``/``u8``: the integer kernel;
+plugin split off it or moved into it: ``node_linear/WithoutBiases``, ``node_MatMul_2/DequantizationMultiply``) and the precision it runs at (``i8``/``u8``: the integer kernel;
 ``f32``: dequantized first). A layer is matched to the compiled layer that names its node.
 """
 
@@ -25,9 +25,12 @@ def layer_kernels(model: onnx.ModelProto, data: bytes, layer_of: dict[str, str])
     """For every quantized conv/gemm/matmul of ``model`` (``data``: the file's bytes): what OpenVINO runs."""
     compiled = _openvino.compiled_layers(data)
     by_node = {name: c for c in compiled for name in c.names}
-    # the plugin names what it split off a node after it: node_linear/WithoutBiases/DequantizationMultiply
-    by_node.update({name.split("/WithoutBiases")[0]: c for c in compiled for name in c.names
-                    if "/WithoutBiases" in name})
+    # the plugin names what it split off a node, or moved into it, after it: node_linear/WithoutBiases,
+    # node_MatMul_2/DequantizationMultiply
+    for c in compiled:
+        for name in c.names:
+            if "/" in name:
+                by_node.setdefault(name.split("/")[0], c)
     g = Graph(model)
     prod = g.producers()
     out = []
