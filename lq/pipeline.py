@@ -1,9 +1,10 @@
-"""The ``lq-train`` job: FP32 training, PTQ, QAT, ONNX INT8 export and onnxruntime evaluation.
+"""The ``lq-train`` job: FP32 training, PTQ, QAT, ONNX INT8 export and evaluation in the target's runtime.
 
 Used by the Hydra app (:mod:`lq.cli`) and callable from Python with a
 :class:`lq.config.JobConfig`. Prints (and returns) one table: accuracy of
 the FP32, PTQ and QAT models in PyTorch and of the exported INT8 model in
-onnxruntime, model file sizes and onnxruntime latencies.
+the runtime the export targets (onnxruntime; OpenVINO's CPU plugin for
+``export.target=openvino``), model file sizes and latencies there.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class JobResult:
     speedup: dict = field(default_factory=dict)
     fp32_reference: Optional[str] = None  # which plain FP32 export the INT8 file was timed against
     onnx_max_abs_diff: Optional[float] = None
+    runtime: str = "onnxruntime"  # where the INT8 file's accuracy, latency and max |diff| were measured
     files: dict = field(default_factory=dict)
     layers: list = field(default_factory=list)  # the per-layer quantizer table (lq.report.quantizer_rows)
     eval_split: Optional[str] = None  # the DataModule's split the accuracies are measured on (None: none)
@@ -43,7 +45,7 @@ class JobResult:
     def rows(self) -> list[tuple[str, str]]:
         out = []
         names = {"fp32": "FP32 (PyTorch)", "ptq": "INT8 PTQ (PyTorch fake-quant)", "qat": "INT8 QAT (PyTorch fake-quant)",
-                 "onnx_int8": "INT8 ONNX (onnxruntime)", "onnx_fp32": "FP32 ONNX (onnxruntime)"}
+                 "onnx_int8": f"INT8 ONNX ({self.runtime})", "onnx_fp32": f"FP32 ONNX ({self.runtime})"}
         split = f" [{self.eval_split}]" if self.eval_split and self.eval_split != "test" else ""
         for k, v in self.accuracy.items():
             out.append((f"accuracy: {names.get(k, k)}{split}", "not measured" if v is None else f"{100 * v:.2f}%"))
@@ -58,7 +60,7 @@ class JobResult:
         if self.fp32_reference:
             out.append(("FP32 file timed against", self.fp32_reference))
         if self.onnx_max_abs_diff is not None:
-            out.append(("onnxruntime vs PyTorch max |diff| (sample batch)", f"{self.onnx_max_abs_diff:.3g}"))
+            out.append((f"{self.runtime} vs PyTorch max |diff| (sample batch)", f"{self.onnx_max_abs_diff:.3g}"))
         return out
 
 
@@ -160,18 +162,18 @@ def accuracy(model: torch.nn.Module, loader) -> float:
     return correct / max(1, total)
 
 
-def ort_session(path: str, threads: Optional[int] = None):
-    import onnxruntime as ort
+def ort_session(path: str, threads: Optional[int] = None, providers=None):
+    """A session on ``path`` in onnxruntime's CPU provider, or where ``providers`` says (OpenVINO's CPU plugin:
+    :func:`lq.export.verify._verify.make_session`)."""
+    from lq.export.verify import _verify
 
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads:
-        so.intra_op_num_threads = threads
-    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    return _verify.make_session(path, providers or ["CPUExecutionProvider"], intra_op_num_threads=threads)
 
 
-def ort_accuracy(path: str, x: torch.Tensor, y: torch.Tensor, batch: int = 256) -> tuple[float, np.ndarray]:
-    sess = ort_session(path)
+def ort_accuracy(path: str, x: torch.Tensor, y: torch.Tensor, batch: int = 256,
+                 providers=None) -> tuple[float, np.ndarray]:
+    """Top-1 accuracy of the file at ``path`` on ``(x, y)`` in onnxruntime (or where ``providers`` says)."""
+    sess = ort_session(path, providers=providers)
     name = sess.get_inputs()[0].name
     preds = []
     for i in range(0, len(x), batch):
@@ -222,14 +224,14 @@ def run_job(cfg: JobConfig, *, print_table: bool = True) -> JobResult:
     trainer.save_checkpoint(qat_ckpt)
     chosen = _choose(cfg, res, ptq, qat, dm, select, qat_ckpt, out)
 
-    # 4. export the chosen model, then onnxruntime: accuracy, sizes and latency against the FP32 export
+    # 4. export the chosen model, then its runtime: accuracy, sizes and latency against the FP32 export
     int8_path = str((out / "model_int8.onnx").resolve())
     result = None
     if cfg.export.enabled:
         result = cb.exporter.run(trainer, ptq if chosen == "ptq" else qat, ckpt=str(qat_ckpt))
         res.exported = chosen
     res.onnx_max_abs_diff = getattr(result, "max_abs_diff", None)
-    _onnxruntime(res, model, dm, trainer, int8_path, out)
+    _runtime(res, model, dm, cfg.export.target, int8_path, out)
 
     from lq import report
 
@@ -310,8 +312,13 @@ def _choose(cfg: JobConfig, res: JobResult, ptq, qat, dm, split: Optional[str], 
     return "ptq" if cfg.export.export_best else "qat"
 
 
-def _onnxruntime(res: JobResult, model, dm, trainer, int8_path: str, out: Path) -> None:
-    """INT8 accuracy in onnxruntime on the eval split, file sizes, and latency of both files at batch 1 and 32."""
+def _runtime(res: JobResult, model, dm, target: str, int8_path: str, out: Path) -> None:
+    """INT8 accuracy on the eval split in the runtime ``target`` names (where the export verified the file), file
+    sizes, and latency of both files there at batch 1 and 32."""
+    from lq.export.verify import _verify
+
+    providers = _verify.target_providers(target)  # tensorrt: onnxruntime's CPU provider, as the export verified
+    res.runtime = _verify.runtime_name(providers)
     if res.eval_split is not None:
         x, y = _inputs_targets(_loader(dm, res.eval_split))
     else:  # no held-out data: a training batch is still a sample to time and export with
@@ -320,10 +327,10 @@ def _onnxruntime(res: JobResult, model, dm, trainer, int8_path: str, out: Path) 
     res.files = {"int8": int8_path, "fp32": fp32_path}
     if os.path.exists(int8_path):
         if y is not None:
-            res.accuracy["onnx_int8"], _ = ort_accuracy(int8_path, x, y)
+            res.accuracy["onnx_int8"], _ = ort_accuracy(int8_path, x, y, providers=providers)
         res.size_bytes["model_int8.onnx"] = os.path.getsize(int8_path)
     feeds = {b: [_batch(x, b).numpy()] for b in (1, 32)}
-    fp32, res.fp32_reference = faster_fp32(model, x[:2], feeds[32])
+    fp32, res.fp32_reference = faster_fp32(model, x[:2], feeds[32], providers)
     Path(fp32_path).write_bytes(fp32)
     res.size_bytes["model_fp32.onnx"] = os.path.getsize(fp32_path)
     if not os.path.exists(int8_path):
@@ -332,7 +339,7 @@ def _onnxruntime(res: JobResult, model, dm, trainer, int8_path: str, out: Path) 
 
     int8 = Path(int8_path).read_bytes()
     for batch, f in feeds.items():  # the export's own measurement (interleaved rounds), at batch 1 and 32
-        check = _timing.compare(int8, fp32, f, batch=batch, reference=res.fp32_reference)
+        check = _timing.compare(int8, fp32, f, providers, batch=batch, reference=res.fp32_reference)
         res.latency_ms[("fp32", batch)], res.latency_ms[("int8", batch)] = check.fp32_ms, check.int8_ms
         res.speedup[batch] = check.ratio
 
@@ -344,7 +351,7 @@ def _batch(x: torch.Tensor, batch: int) -> torch.Tensor:
     return x[:batch]
 
 
-def faster_fp32(model: torch.nn.Module, sample: torch.Tensor, feeds) -> tuple[bytes, str]:
+def faster_fp32(model: torch.nn.Module, sample: torch.Tensor, feeds, providers=None) -> tuple[bytes, str]:
     """The user's FP32 file: ``torch.onnx.export`` of the float model with the current and the legacy exporter, the
     faster one on ``feeds`` (what the export's speed check compares with: lq.export.timing._speed.faster_plain)."""
     import io
@@ -366,7 +373,7 @@ def faster_fp32(model: torch.nn.Module, sample: torch.Tensor, feeds) -> tuple[by
         torch.onnx.export(m, (sample.cpu(),), buf, input_names=["input"], output_names=["output"],
                           dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}}, dynamo=False, opset_version=17)
         files["legacy"] = buf.getvalue()
-    _, data, reference = _speed.faster_plain(files, feeds, None)
+    _, data, reference = _speed.faster_plain(files, feeds, providers)
     return data, reference
 
 

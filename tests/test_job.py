@@ -144,3 +144,23 @@ def test_nothing_trained_is_lost_when_onnxruntime_fails_after_training(tmp_path,
     for f in ("fp32.ckpt", "qat.ckpt", "model_int8.onnx"):
         assert (tmp_path / f).exists(), f
     assert np.isfinite(torch.load(tmp_path / "qat.ckpt", weights_only=True)["state_dict"]["net.1.weight"]).all()
+
+
+def test_an_openvino_target_is_measured_in_openvino(tmp_path):
+    """``lq-train export.target=openvino``: the file is verified in OpenVINO by the export, and the job's accuracy,
+    latency and table are OpenVINO's too; the accuracy is the file's as OpenVINO computes it (read here)."""
+    pytest.importorskip("openvino")
+    from lq.export.verify import _openvino
+
+    torch.set_flush_denormal(True)
+    res = run_job(_job(tmp_path, TrainVal, export=ExportConfig(target="openvino", fallback_seconds=0)),
+                  print_table=False)
+    assert res.runtime == "OpenVINO" and res.accuracy["onnx_int8"] > 0.8
+    md = (tmp_path / "results.md").read_text()
+    assert "accuracy: INT8 ONNX (OpenVINO) [val]" in md and "latency: int8, batch 32" in md
+    dm = TrainVal()
+    dm.setup()
+    x, y = dm.val_set.tensors
+    cm = _openvino.compile_model(str(tmp_path / "model_int8.onnx"), threads=1)
+    pred = np.concatenate([np.asarray(cm([x[i:i + 64].numpy()])[0]).argmax(1) for i in range(0, len(x), 64)])
+    assert res.accuracy["onnx_int8"] == pytest.approx(float((pred == y.numpy()).mean()))

@@ -9,7 +9,7 @@ int8 only, so this is part of the onnxruntime recipe (``QuantConfig.unsigned_aft
 The analysis follows values through the module tree as the forwards call it, with the same per-module
 fx graphs the glue uses: a module's output is non-negative when its forward returns a ReLU (ReLU6) of
 something, or a pooling / reshape / concatenation / sum of non-negative values; a child called with a
-non-negative argument sees a non-negative first input. A quantizer becomes unsigned only when every call
+non-negative argument sees a non-negative input there (each positional one: a decoder block's skip tensor). A quantizer becomes unsigned only when every call
 that reaches it is non-negative; anything unknown (an untraceable module, a library forward) counts as
 possibly negative. A tensor is quantized on one grid: when several quantizers read it and one of them stays
 signed (``lq.nn.FloatAdd``'s shared quantizer over a ReLU output and a conv output), they all do, or the
@@ -70,8 +70,9 @@ class NonNegative:
         return {p for p, ok in self.votes.items() if ok}
 
     # ------------------------------------------------------------------ modules
-    def module(self, m: nn.Module, path: str, nonneg_in: bool) -> bool:
-        """Whether ``m``'s output is non-negative, given whether its first input is."""
+    def module(self, m: nn.Module, path: str, nonneg_in: bool, more: tuple = ()) -> bool:
+        """Whether ``m``'s output is non-negative, given whether its first input is (and, for a forward of
+        several, whether each further positional input is: ``more``; a U-Net decoder block's skip tensor)."""
         if isinstance(m, RELU_MODULES):
             return True
         if isinstance(m, _INPUT_QUANTIZED) and self.will_be_quantized(m):
@@ -89,7 +90,7 @@ class NonNegative:
             return False
         self._active.add(id(m))
         try:
-            return self.graph(m, path, graph, nonneg_in)
+            return self.graph(m, path, graph, (nonneg_in, *more))
         finally:
             self._active.discard(id(m))
 
@@ -101,17 +102,17 @@ class NonNegative:
                 self._vote(f"{full}.{INPUT_QUANTIZER}" if full else INPUT_QUANTIZER, False)
 
     # ------------------------------------------------------------------ one forward
-    def graph(self, m: nn.Module, path: str, graph: fx.Graph, nonneg_in: bool) -> bool:
+    def graph(self, m: nn.Module, path: str, graph: fx.Graph, nonneg_args: tuple) -> bool:
         full, sites = self.sites.get(id(m), (lambda ref: f"{path}.{ref}" if path else ref, []))
         by_node = {s.node: s for s in sites}
         env: dict[fx.Node, bool] = {}
         readers: dict[fx.Node, list[str]] = {}  # tensor -> the quantizers that read it here
-        first = True
+        k = 0  # positional inputs seen
         out = False
         for n in graph.nodes:
             if n.op == "placeholder":
-                env[n] = nonneg_in and first
-                first = False
+                env[n] = k < len(nonneg_args) and nonneg_args[k]
+                k += 1
                 continue
             if n.op == "output":
                 res = n.args[0]
@@ -140,7 +141,8 @@ class NonNegative:
                     continue
                 if isinstance(child, _INPUT_QUANTIZED) and self.will_be_quantized(child) and isinstance(a0, fx.Node):
                     readers.setdefault(a0, []).append(q)
-                env[n] = self.module(child, child_path, arg_nonneg)
+                more = tuple(isinstance(a, fx.Node) and env.get(a, False) for a in n.args[1:])
+                env[n] = self.module(child, child_path, arg_nonneg, more)
             elif n.op == "call_function" and n.target in RELU_FUNCTIONS or \
                     n.op == "call_method" and n.target in RELU_METHODS:
                 env[n] = True
