@@ -350,3 +350,25 @@ def test_the_report_finds_the_linears_openvino_moved_the_dequantization_into(tmp
         assert k.kernel.startswith("FullyConnected (") and k.integer, k
     projections = [k for k in res.layer_kernels if k.layer == "att" and k.kernel.startswith("FullyConnected (")]
     assert len(projections) == 3  # q, k and v
+
+
+@pytest.mark.skipif(not __import__("lq.export.verify._no_vnni", fromlist=["needed"]).needed(),
+                    reason="this CPU has no VNNI: OpenVINO's own run already is the run without it")
+def test_on_a_cpu_with_vnni_the_file_is_verified_as_one_without_vnni_runs_it_too(tmp_path):
+    """OpenVINO takes other code paths on a CPU without VNNI (a saturating int16 for pairs of u8 x s8 products):
+    the export runs the file there too, in a worker with the plugin capped at AVX2. The recipe's file passes and
+    says so; the same model with 8-bit weights passes here and is refused there (each layer it tries in float
+    is wrong there too, so the search gives up and the verification error stands)."""
+    m, x = _calibrated()
+    res = export_onnx(m, x, str(tmp_path / "ov.onnx"), target="openvino", progress=False, speed_check=False)
+    assert any(w.startswith("verified in OpenVINO without VNNI (its kernels capped at AVX2) too: ") for w in
+               res.warnings), res.warnings
+    torch.manual_seed(0)
+    m8 = Block().eval()
+    lq.quantize_model(m8, target="openvino", sample=x[:2], overrides={"*": {"weight": {"num_bits": 8, "axis": 0}}})
+    lq.calibrate_model(m8, [x], method="max")
+    ok = export_onnx(copy.deepcopy(m8), x, str(tmp_path / "here.onnx"), target="openvino", progress=False,
+                     speed_check=False, providers=[_openvino.OPENVINO])  # this CPU's run alone: it passes
+    assert ok.verdict
+    with pytest.raises(VerificationError, match="OpenVINO without VNNI"):
+        export_onnx(m8, x, str(tmp_path / "ov8.onnx"), target="openvino", progress=False, speed_check=False)

@@ -35,7 +35,7 @@ from lq.export.report._result import ExportResult, VerificationError  # noqa: F4
 from lq.export.timing import _fallback, _float_twin, _speed
 from lq.export.trace import _bypass, _trace
 from lq.export.finish import _finish
-from lq.export.verify import _judge, _runtime_faults, _verify
+from lq.export.verify import _judge, _no_vnni, _openvino, _runtime_faults, _verify
 
 TARGETS = EXPORT_TARGETS
 __all__ = ["export_onnx", "export_config", "EXPORTERS", "TARGETS", "WEIGHT_FORMATS"]
@@ -168,16 +168,25 @@ def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfi
 
     providers = list(cfg.providers) if cfg.providers else _verify.target_providers(cfg.target, prep.device_type)
     data = proto.SerializeToString()  # the file as it will be deployed: verified and timed from these bytes
-    try:
-        verified = _judge.verify(proto, data, prep, cfg, providers, traced.unrolled, bool(rewrite.dynamic_lstms)) \
-            if cfg.verify else None
-    except VerificationError:
-        if cfg.target != "openvino" or pristine is None or faults_left <= 0:
-            raise
-        kept = _around_fault(prep, dataclasses.replace(traced, proto=pristine), cfg, proto, seen, t0, faults_left)
-        if kept is None:
-            raise
-        return kept
+    runs = [providers]  # where the file is verified: its runtime, and OpenVINO as a CPU without VNNI runs it too
+    if cfg.verify and _openvino.is_openvino(providers) and not cfg.providers and _no_vnni.needed():
+        runs.append([_no_vnni.PROVIDER])
+    for where in runs:
+        try:
+            checked = _judge.verify(proto, data, prep, cfg, where, traced.unrolled, bool(rewrite.dynamic_lstms)) \
+                if cfg.verify else None
+        except VerificationError:
+            if cfg.target != "openvino" or pristine is None or faults_left <= 0:
+                raise
+            kept = _around_fault(prep, dataclasses.replace(traced, proto=pristine), cfg, proto, seen, t0,
+                                 faults_left, where)
+            if kept is None:
+                raise
+            return kept
+        if where is providers:
+            verified = checked
+        elif checked is not None:
+            notes.append(f"verified in {_verify.runtime_name(where)} too: {checked.verdict}")
     stages.done("verify")
     atomic_save(proto, cfg.path)
     ort_ops, kernels = _report.kernels(proto, cfg, providers, seen, notes)
@@ -236,14 +245,14 @@ def _export_without(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportC
 
 
 def _around_fault(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfig, proto: onnx.ModelProto,
-                  seen, t0: float, faults_left: int) -> ExportResult | None:
+                  seen, t0: float, faults_left: int, providers=None) -> ExportResult | None:
     """A file OpenVINO's output failed verification on: where OpenVINO computes one layer of it wrong
     (:func:`lq.export.verify._runtime_faults.first_fault`, onnxruntime as the reference on the same file), the
     export of the model with that layer in float, verified in OpenVINO in turn (another such layer: again, up to
     ``MAX_FAULTS``), said in its warnings. None where no layer is at fault (the verification error stands)."""
     feeds = [a.numpy() for a in prep.cases[0][0] if isinstance(a, torch.Tensor)]
     try:
-        fault = _runtime_faults.first_fault(proto, feeds, seen.layer_of)
+        fault = _runtime_faults.first_fault(proto, feeds, seen.layer_of, providers)
         off = [q for q in _fallback.call_order(prep.work, prep.args) if _fallback.owner(q) == fault.layer] \
             if fault is not None else []
     except Exception:  # noqa: BLE001 - the diagnosis failed: the verification error stands

@@ -34,10 +34,11 @@ class Fault:
     node: str  # the ONNX node
     layer: str  # the PyTorch layer it belongs to
     off: float  # max|openvino - onnxruntime| / max|onnxruntime| on its output
+    where: str = "on this CPU"  # the OpenVINO run that computes it so: this CPU's, or a CPU without VNNI
 
     def text(self) -> str:
         return (f"OpenVINO's CPU plugin computes {self.layer} ({self.node}) {self.off:.0%} of its output's largest "
-                "magnitude away from onnxruntime on the same file and inputs (a wrong kernel on this CPU, not "
+                f"magnitude away from onnxruntime on the same file and inputs (a wrong kernel {self.where}, not "
                 "rounding)")
 
 
@@ -52,8 +53,11 @@ def _probe(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, list[onnx.NodeProto
     return probe, nodes
 
 
-def first_fault(proto: onnx.ModelProto, feeds: list[np.ndarray], layer_of: dict[str, str]) -> Fault | None:
-    """The first compute op whose output OpenVINO computes wrong (see the module docstring), or None."""
+def first_fault(proto: onnx.ModelProto, feeds: list[np.ndarray], layer_of: dict[str, str],
+                providers=None) -> Fault | None:
+    """The first compute op whose output OpenVINO computes wrong (see the module docstring), or None.
+    ``providers``: the OpenVINO run to search (default the plugin as this CPU runs it; or as a CPU without VNNI:
+    :data:`lq.export.verify._no_vnni.PROVIDER`)."""
     from lq.export.verify import _openvino, _verify
 
     probe, nodes = _probe(proto)
@@ -61,7 +65,8 @@ def first_fault(proto: onnx.ModelProto, feeds: list[np.ndarray], layer_of: dict[
         return None
     data = probe.SerializeToString()
     ref = _verify.run(_verify.make_session(data, ["CPUExecutionProvider"]), feeds)
-    got = _verify.run(_openvino.Session(data), feeds)
+    where = list(providers or [_openvino.OPENVINO])
+    got = _verify.run(_verify.make_session(data, where), feeds)
     first = len(proto.graph.output)
     for k, n in enumerate(nodes):
         want, have = np.asarray(ref[first + k], np.float64), np.asarray(got[first + k], np.float64)
@@ -70,5 +75,13 @@ def first_fault(proto: onnx.ModelProto, feeds: list[np.ndarray], layer_of: dict[
             continue
         off = float(np.abs(have - want).max()) / scale
         if off > FAULT_FRACTION:
-            return Fault(n.name, layer_of.get(n.name) or n.name, off)
+            return Fault(n.name, layer_of.get(n.name) or n.name, off, _where(where))
     return None
+
+
+def _where(providers) -> str:
+    from lq.export.verify import _no_vnni
+
+    if providers[0] == _no_vnni.PROVIDER:
+        return f"on a CPU without VNNI (OpenVINO's kernels capped at {_no_vnni.ISA})"
+    return "on this CPU"

@@ -48,8 +48,10 @@ def target_providers(target: str, device: str | None = None) -> list[str]:
 
 def runtime_name(providers) -> str:
     """The runtime ``providers`` run a file in, as the export's messages name it."""
-    from lq.export.verify import _openvino
+    from lq.export.verify import _no_vnni, _openvino
 
+    if providers and providers[0] == _no_vnni.PROVIDER:
+        return f"OpenVINO without VNNI (its kernels capped at {_no_vnni.ISA})"
     return "OpenVINO" if _openvino.is_openvino(providers) else "onnxruntime"
 
 
@@ -57,8 +59,10 @@ def make_session(path_or_bytes, providers=None, *, optimized_model_filepath: str
                  intra_op_num_threads: int | None = None, graph_optimization_level=None):
     """An onnxruntime session, or for ``providers=[OPENVINO]`` an OpenVINO one with the same two calls
     (:class:`lq.export.verify._openvino.Session`, f32 precision; ``[OPENVINO_BF16]``: the bf16 hint)."""
-    from lq.export.verify import _openvino
+    from lq.export.verify import _no_vnni, _openvino
 
+    if providers and providers[0] == _no_vnni.PROVIDER:  # OpenVINO as a CPU without VNNI runs it (a worker process)
+        return _no_vnni.Session(path_or_bytes, threads=intra_op_num_threads)
     if _openvino.is_openvino(providers):
         return _openvino.Session(path_or_bytes, threads=intra_op_num_threads,
                                  precision=_openvino.precision_of(providers))
