@@ -129,3 +129,17 @@ def test_histogram_amax_is_recomputed_when_the_histogram_changes():
     assert c.compute_amax("percentile", percentile=99.0) > 2 * first
     c.reset()
     assert c.compute_amax("percentile", percentile=99.0) is None
+
+
+def test_a_histogram_collected_under_inference_mode_still_gives_its_amax():
+    """Lightning's validate() collects under torch.inference_mode, whose tensors keep no version: no memo there,
+    the same answers."""
+    from lq.calib import HistogramCalibrator
+
+    c = HistogramCalibrator(8, None, False)
+    with torch.inference_mode():
+        c.collect(torch.randn(4096, generator=torch.Generator().manual_seed(0)))
+    ref = HistogramCalibrator(8, None, False)
+    ref.collect(torch.randn(4096, generator=torch.Generator().manual_seed(0)))
+    for method in ("mse", "percentile", "mse"):
+        assert torch.equal(c.compute_amax(method), ref.compute_amax(method))

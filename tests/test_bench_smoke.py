@@ -272,7 +272,8 @@ def test_openvino_fast(bench_runs):
     assert done == total == 6, r["layers"]  # 4 convs and 2 Linears
     assert set(r["speedup"]) == {"1", "8"}
     assert all(_finite(v["median"]) for b in r["speedup"].values() for v in b.values())
-    assert len(res["targets"]) == 3 and all(isinstance(t[2], bool) for t in res["targets"])
+    assert len(res["targets"]) == 4 and all(isinstance(t[2], bool) for t in res["targets"])
+    assert res["targets"][3][2], res["targets"][3]  # lq's file as accurate in OpenVINO capped at AVX2
     md = (run.out / "openvino" / "openvino.md").read_text()
     assert "(CPU: " in md and "Command: `python -m bench.openvino --fast" in md and "NNCF" in md
 

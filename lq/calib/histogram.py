@@ -269,16 +269,23 @@ class HistogramCalibrator(_Calibrator):
             return None
         key = (method, stride, start_bin, float(percentile))
         memo = self._amax_memo()
-        if key not in memo:  # ``auto`` asks every method of every quantizer several times over one histogram
+        if memo is None or key not in memo:  # ``auto`` asks every method of every quantizer several times
             with serial_cpu(self._counts.device):
-                memo[key] = self._compute_amax(method, stride, start_bin, percentile)
+                amax = self._compute_amax(method, stride, start_bin, percentile)
+            if memo is None:
+                return amax
+            memo[key] = amax
         return memo[key].clone()
 
-    def _amax_memo(self) -> dict:
+    def _amax_memo(self) -> dict | None:
         """The amaxes computed on the histogram as it is now: emptied when the state changes (a new tensor, or an
         in-place change, which bumps a tensor's version). The memo holds the tensors themselves, so an identity
-        it compares cannot be reused by another tensor."""
-        state = tuple((t, t._version) for t in (self._counts, self._width, self._nbins, self._absmax))
+        it compares cannot be reused by another tensor. None (no memo) for a histogram collected under
+        ``torch.inference_mode`` (Lightning's validate): inference tensors keep no version."""
+        tensors = (self._counts, self._width, self._nbins, self._absmax)
+        if any(t.is_inference() for t in tensors):
+            return None
+        state = tuple((t, t._version) for t in tensors)
         held = getattr(self, "_memo_state", None)
         if held is None or len(held) != len(state) or any(a is not b or va != vb
                                                            for (a, va), (b, vb) in zip(held, state)):
