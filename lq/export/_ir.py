@@ -48,13 +48,40 @@ MS_DOMAIN = "com.microsoft"
 COMPUTE = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
 
+class NodeList(list):
+    """The graph's node list, where ``index`` and ``remove`` find a node by identity, starting where the last search
+    ended: ``list``'s own compare protobuf messages by value, from the first node on, and the passes' calls (one
+    or more per layer) made their cost grow with the square of the graph (a 96-layer transformer: 0.5 of its 5.7 s
+    rewrite)."""
+
+    _hint = 0  # where the last search ended: the passes walk the graph in order, so the next node is near it
+
+    def index(self, node, *args) -> int:
+        n = len(self)
+        start = min(self._hint, n)
+        for k in range(max(0, start - 8), n):
+            if self[k] is node:
+                self._hint = k
+                return k
+        for k in range(0, max(0, start - 8)):
+            if self[k] is node:
+                self._hint = k
+                return k
+        raise ValueError("node is not in the graph")
+
+    def remove(self, node) -> None:
+        del self[self.index(node)]
+
+
 class Graph:
     """A mutable view of ``model.graph``: node list, constants by name, fresh names."""
 
     def __init__(self, model: onnx.ModelProto):
         self.model = model
         self.g = model.graph
-        self.nodes: list[onnx.NodeProto] = list(self.g.node)
+        self.nodes = list(self.g.node)
+        self._overrides: set[str] = set()
+        self._suffix: dict[str, int] = {}  # fresh(): the last number tried per base name
         self.consts: dict[str, np.ndarray] = {}
         self._const_protos: dict[str, onnx.TensorProto] = {}
         for init in self.g.initializer:
@@ -68,6 +95,14 @@ class Graph:
         self.graph_outputs = {o.name for o in self.g.output}
         self.graph_inputs = {i.name for i in self.g.input}
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+    @property
+    def nodes(self) -> NodeList:
+        return self._nodes
+
+    @nodes.setter
+    def nodes(self, value) -> None:
+        self._nodes = value if isinstance(value, NodeList) else NodeList(value)
 
     # --- constants
     def const(self, name: str) -> np.ndarray | None:
@@ -98,7 +133,7 @@ class Graph:
             return None
 
     def _const_overrides(self):
-        return getattr(self, "_overrides", set())
+        return self._overrides
 
     def add_const(self, hint: str, array, proto: onnx.TensorProto | None = None) -> str:
         name = self.fresh(hint)
@@ -108,15 +143,18 @@ class Graph:
             self._const_protos[name] = proto
         else:
             self.consts[name] = np.asarray(array)
-            self._overrides = self._const_overrides() | {name}
+            self._overrides.add(name)
         return name
 
     def fresh(self, hint: str) -> str:
         base = hint.replace("::", "_") or "t"
-        name, i = base, 0
+        name, i = base, self._suffix.get(base, 0)  # numbers below it were taken already
+        if i:
+            name = f"{base}_{i}"
         while name in self._used_names:
             i += 1
             name = f"{base}_{i}"
+        self._suffix[base] = i
         self._used_names.add(name)
         return name
 
@@ -132,11 +170,14 @@ class Graph:
                     out[i].append(n)
         return out
 
-    def replace_uses(self, old: str, new: str) -> None:
-        for n in self.nodes:
-            for k, i in enumerate(n.input):
-                if i == old:
-                    n.input[k] = new
+    def replace_uses(self, old: str, new: str, readers=None) -> None:
+        """Every read of ``old`` becomes a read of ``new``; ``readers``: the nodes that read ``old`` where the caller
+        knows them (a consumers map taken in the same pass), so only those are visited, not the whole graph."""
+        for n in (self.nodes if readers is None else readers):
+            if old in n.input:  # a test in C on each node; the rewrite only where it reads ``old``
+                for k, i in enumerate(n.input):
+                    if i == old:
+                        n.input[k] = new
         if old in self.graph_outputs:
             raise AssertionError("graph outputs are never renamed")
 

@@ -83,7 +83,7 @@ def _fold_weight(g: Graph, p, k: np.ndarray, out_axis: int, prod, cons, rec: Fol
         shape = [1] * wc.ndim
         shape[out_axis] = -1
         g.replace_uses(w, g.add_const(f"{rec.layer.replace('.', '/')}/weight_folded",
-                                      (wc.astype(np.float64) * k.reshape(shape)).astype(wc.dtype)))
+                                      (wc.astype(np.float64) * k.reshape(shape)).astype(wc.dtype)), cons[w])
         return True
     dq = prod.get(w)
     if dq is None or dq.op_type != "DequantizeLinear" or len(cons.get(w, [])) != 1:

@@ -50,7 +50,7 @@ def _dedupe(g: Graph, op_type: str, same) -> int:
                 continue
             for b in qs[i + 1:]:
                 if id(b) not in dropped and same(g, a, b) and b.output[0] not in g.graph_outputs:
-                    g.replace_uses(b.output[0], a.output[0])
+                    g.replace_uses(b.output[0], a.output[0], cons.get(b.output[0], ()))
                     dropped.add(id(b))
                     merged += 1
     g.nodes = [n for n in g.nodes if id(n) not in dropped]
@@ -220,7 +220,7 @@ def clips_on_integers(g: Graph) -> None:
             g.nodes.insert(g.nodes.index(r), node)
             kept = node.output[0]
         for q in users:
-            g.replace_uses(q.output[0], kept)
+            g.replace_uses(q.output[0], kept, cons.get(q.output[0], ()))
             drop.add(id(q))
         drop.update((id(dq), id(r)))
     g.nodes = [n for n in g.nodes if id(n) not in drop]
