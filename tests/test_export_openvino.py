@@ -355,7 +355,8 @@ def test_the_report_finds_the_linears_openvino_moved_the_dequantization_into(tmp
 
 
 @pytest.mark.skipif(not __import__("lq.export.verify._no_vnni", fromlist=["needed"]).needed(),
-                    reason="this CPU has no VNNI: OpenVINO's own run already is the run without it")
+                    reason="OpenVINO takes no VNNI code paths here (no VNNI, or ONEDNN_MAX_CPU_ISA below it): its "
+                           "own run already is the run without it")
 def test_on_a_cpu_with_vnni_the_file_is_verified_as_one_without_vnni_runs_it_too(tmp_path, monkeypatch):
     """OpenVINO takes other code paths on a CPU without VNNI (a saturating int16 for pairs of u8 x s8 products):
     the export runs the file there too, in a worker with the plugin capped at AVX2. The recipe's file passes and
@@ -377,3 +378,17 @@ def test_on_a_cpu_with_vnni_the_file_is_verified_as_one_without_vnni_runs_it_too
     monkeypatch.setattr(_export, "_around_fault", lambda *a, **k: None)
     with pytest.raises(VerificationError, match="OpenVINO without VNNI"):
         export_onnx(m8, x, str(tmp_path / "ov8.onnx"), target="openvino", progress=False, speed_check=False)
+
+
+def test_a_plugin_capped_below_vnni_needs_no_second_run(monkeypatch):
+    """``ONEDNN_MAX_CPU_ISA`` caps OpenVINO's kernels (``make test-avx2`` sets SSE41): below VNNI, the plugin's own run
+    already is the run without VNNI; at or above it (or unset, on a CPU with VNNI), a second run is made."""
+    from lq.export.verify import _no_vnni
+
+    for cap in ("SSE41", "AVX2", "avx512_core"):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert not _no_vnni.needed()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")
+    with open("/proc/cpuinfo") as f:
+        vnni = any(k in f.read().split() for k in ("avx512_vnni", "avx_vnni", "amx_int8"))
+    assert _no_vnni.needed() == vnni
