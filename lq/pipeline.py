@@ -167,7 +167,7 @@ def ort_session(path: str, threads: Optional[int] = None, providers=None):
     :func:`lq.export.verify._verify.make_session`)."""
     from lq.export.verify import _verify
 
-    return _verify.make_session(path, providers or ["CPUExecutionProvider"], intra_op_num_threads=threads)
+    return _verify.make_session(path, providers, intra_op_num_threads=threads)
 
 
 def ort_accuracy(path: str, x: torch.Tensor, y: torch.Tensor, batch: int = 256,

@@ -73,11 +73,6 @@ def _arrays(data: bytes) -> dict:
         return {k: z[k] for k in z.files}
 
 
-class _Input:
-    def __init__(self, name: str):
-        self.name = name
-
-
 class Session:
     """The calls of an onnxruntime session the judge makes (``get_inputs``, ``run``), answered by the worker."""
 
@@ -97,7 +92,9 @@ class Session:
             raise RuntimeError(f"OpenVINO with its kernels capped at {ISA} could not load the file: "
                                f"{self._proc.stderr.read().decode()[-500:]}") from e
 
-    def get_inputs(self) -> list[_Input]:
+    def get_inputs(self) -> list:
+        from lq.export.verify._openvino import _Input
+
         return [_Input(n) for n in self._names]
 
     def run(self, output_names, feed: dict) -> list[np.ndarray]:
