@@ -112,8 +112,8 @@ class ConvNormAct(nn.Sequential):
     """conv -> BatchNorm -> activation as one ``nn.Sequential`` (the shape of torchvision's Conv2dNormActivation):
     'same' padding, no conv bias, the activation in place; ``act=None`` for a linear projection."""
 
-    def __init__(self, i: int, o: int, k: int = 3, stride: int = 1, groups: int = 1, act=nn.ReLU):
-        layers = [nn.Conv2d(i, o, k, stride, (k - 1) // 2, groups=groups, bias=False), nn.BatchNorm2d(o)]
+    def __init__(self, i: int, o: int, k: int = 3, stride: int = 1, groups: int = 1, act=nn.ReLU, eps: float = 1e-5):
+        layers = [nn.Conv2d(i, o, k, stride, (k - 1) // 2, groups=groups, bias=False), nn.BatchNorm2d(o, eps=eps)]
         if act is not None:
             layers.append(act(inplace=True))
         super().__init__(*layers)
@@ -133,6 +133,21 @@ class SqueezeExcite(nn.Module):
 
     def forward(self, x):
         return self.gate(self.fc2(self.act(self.fc1(self.avgpool(x))))) * x
+
+
+class DropPath(nn.Module):
+    """Stochastic depth (Huang et al.), as torchvision's EfficientNets train: in training, a residual branch is
+    dropped for whole samples with probability ``p`` (the survivors scaled by 1 / (1 - p)); in eval, nothing."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        keep = torch.empty((x.shape[0],) + (1,) * (x.dim() - 1), device=x.device).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
 
 
 # =========================================================================== 1. MobileNetV3-Small
@@ -190,21 +205,25 @@ class MBConv(nn.Module):
     """EfficientNet's MBConv: 1x1 expansion (SiLU), depthwise (SiLU), squeeze-excite (SiLU inside, sigmoid gate,
     squeezed to a quarter of the block's input width), linear 1x1 projection, plain ``+``."""
 
-    def __init__(self, i: int, o: int, k: int, stride: int, expand: int):
+    def __init__(self, i: int, o: int, k: int, stride: int, expand: int, drop: float = 0.0, eps: float = 1e-5):
         super().__init__()
         self.use_res = stride == 1 and i == o
         exp = i * expand
         layers: list[nn.Module] = []
         if exp != i:
-            layers.append(ConvNormAct(i, exp, 1, act=nn.SiLU))
-        layers += [ConvNormAct(exp, exp, k, stride, groups=exp, act=nn.SiLU),
+            layers.append(ConvNormAct(i, exp, 1, act=nn.SiLU, eps=eps))
+        layers += [ConvNormAct(exp, exp, k, stride, groups=exp, act=nn.SiLU, eps=eps),
                    SqueezeExcite(exp, max(1, i // 4), act=nn.SiLU, gate=nn.Sigmoid),
-                   ConvNormAct(exp, o, 1, act=None)]
+                   ConvNormAct(exp, o, 1, act=None, eps=eps)]
         self.block = nn.Sequential(*layers)
+        if drop:
+            self.stochastic_depth = DropPath(drop)
 
     def forward(self, x):
         y = self.block(x)
-        return y + x if self.use_res else y
+        if not self.use_res:
+            return y
+        return (self.stochastic_depth(y) if hasattr(self, "stochastic_depth") else y) + x
 
 
 #: EfficientNet-B0's stages (expansion, k, stride, out, repeats) from the paper
@@ -217,17 +236,20 @@ class _EfficientNet(nn.Module):
     ``(block class, expansion, k, stride, out, repeats)``) scaled by ``width`` and ``depth`` (repeats rounded up), a
     1x1 head conv to 1280 x width, global average pool, dropout and a Linear."""
 
-    def __init__(self, stem: int, table, classes: int, width: float, depth: float):
+    def __init__(self, stem: int, table, classes: int, width: float, depth: float, stem_stride: int = 1,
+                 drop: float = 0.0, eps: float = 1e-5):
         super().__init__()
         c = _divisible(stem * width)
-        layers: list[nn.Module] = [ConvNormAct(1, c, 3, 1, act=nn.SiLU)]
+        layers: list[nn.Module] = [ConvNormAct(1, c, 3, stem_stride, act=nn.SiLU, eps=eps)]
+        total, done = sum(math.ceil(row[-1] * depth) for row in table), 0
         for block, e, k, s, o, n in table:
             o = _divisible(o * width)
-            for j in range(math.ceil(n * depth)):
-                layers.append(block(c, o, k, s if j == 0 else 1, e))
-                c = o
+            for j in range(math.ceil(n * depth)):  # stochastic depth grows linearly with the block's index
+                kw = {"drop": drop * done / total, "eps": eps} if drop or eps != 1e-5 else {}
+                layers.append(block(c, o, k, s if j == 0 else 1, e, **kw))
+                c, done = o, done + 1
         last = _divisible(1280 * width)
-        layers.append(ConvNormAct(c, last, 1, act=nn.SiLU))
+        layers.append(ConvNormAct(c, last, 1, act=nn.SiLU, eps=eps))
         self.features = nn.Sequential(*layers)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(last, classes))
@@ -250,18 +272,18 @@ class FusedMBConv(nn.Module):
     (SiLU), then a linear 1x1 projection; with expansion 1, the k x k conv alone (SiLU). No squeeze-excite; a
     plain ``+`` when stride 1 and the widths match."""
 
-    def __init__(self, i: int, o: int, k: int, stride: int, expand: int):
+    def __init__(self, i: int, o: int, k: int, stride: int, expand: int, drop: float = 0.0, eps: float = 1e-5):
         super().__init__()
         self.use_res = stride == 1 and i == o
         if expand == 1:
-            self.block = nn.Sequential(ConvNormAct(i, o, k, stride, act=nn.SiLU))
+            self.block = nn.Sequential(ConvNormAct(i, o, k, stride, act=nn.SiLU, eps=eps))
         else:
-            self.block = nn.Sequential(ConvNormAct(i, i * expand, k, stride, act=nn.SiLU),
-                                       ConvNormAct(i * expand, o, 1, act=None))
+            self.block = nn.Sequential(ConvNormAct(i, i * expand, k, stride, act=nn.SiLU, eps=eps),
+                                       ConvNormAct(i * expand, o, 1, act=None, eps=eps))
+        if drop:
+            self.stochastic_depth = DropPath(drop)
 
-    def forward(self, x):
-        y = self.block(x)
-        return y + x if self.use_res else y
+    forward = MBConv.forward
 
 
 #: EfficientNetV2-S's stages (block, expansion, k, stride, out, repeats) from the paper's Table 4
@@ -276,6 +298,16 @@ class EfficientNetV2Small(_EfficientNet):
     def __init__(self, classes: int = 10, width: float = 0.5, depth: float = 0.25, stages: int | None = None):
         blocks = {"fused": FusedMBConv, "mb": MBConv}
         super().__init__(24, [(blocks[kind], *row) for kind, *row in EFFNET_V2_S[:stages]], classes, width, depth)
+
+
+class EfficientNetV2S(_EfficientNet):
+    """V2-S at full size as torchvision builds it (width and depth x1, 3x3 stem at stride 2, BatchNorm eps 1e-3,
+    stochastic depth up to 0.2): 20M parameters, which a brief training leaves weak."""
+
+    def __init__(self, classes: int = 10, stages: int | None = None):
+        blocks = {"fused": FusedMBConv, "mb": MBConv}
+        super().__init__(24, [(blocks[kind], *row) for kind, *row in EFFNET_V2_S[:stages]], classes, 1.0, 1.0,
+                         stem_stride=2, drop=0.2, eps=1e-3)
 
 
 # =========================================================================== 3. MTCNN O-Net shape

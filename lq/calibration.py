@@ -332,7 +332,7 @@ def calibrate_model(
     strict: bool = True,
     process_group=None,
     progress=None,
-    bias_correction: bool = False,
+    bias_correction: bool | None = None,
     block_method: str = "auto",
 ) -> dict:
     """Post-training calibration of every static quantizer in ``model``; returns ``{name: amax}``.
@@ -359,7 +359,9 @@ def calibrate_model(
         bias_correction: once amax is set, give each quantized conv / linear a per-channel shift that puts its mean
             output back on float's, layer by layer, estimated on half of up to 8 calibration batches and kept per
             layer where it lowers the error on the other half, and at all only where the model's output gets
-            closer to float (:mod:`lq.calib.bias_correction`); the file holds it in the layer's bias.
+            closer to float (:mod:`lq.calib.bias_correction`); the file holds it in the layer's bias. None (the
+            default): on where ``auto`` chooses a method and there are at least two calibration batches (one to
+            estimate on, one to judge by); off for a method the caller names.
         block_method: block-quantized Linear weights (``int4_block_weight``), once amax is set and before the bias
             correction: ``auto`` (the best the batches support: AWQ's scaling where it folds, then GPTQ's rounding on
             layers that saw enough rows), ``max``, ``mse``, ``awq`` or ``gptq`` (:class:`lq.config.CalibConfig`);
@@ -409,6 +411,9 @@ def _calibrate(model, batches, method, weight_method, method_overrides, num_batc
     amax = load_amax(quantizers, methods, percentile=percentile, strict=strict)
     result = CalibrationResult(amax)
     check = auto_calib.check_batches(batches, seen) if auto or bias_correction else []
+    if bias_correction is None:  # the default: part of what ``auto`` decides, where it can be judged
+        # (every process decides alike: no process may lack a batch to judge by)
+        bias_correction = auto and global_count(int(len(check) < 2), process_group) == 0
     if auto:
         selection = check[:auto_calib.SELECTION_BATCHES]
         result.auto = auto_calib.choose(model, quantizers, methods, selection, forward, process_group, check=check,

@@ -368,9 +368,11 @@ class CalibConfig:
         bias_correction: after calibration, give each quantized conv / linear a per-channel shift that puts its
             mean output back on float's, layer by layer; kept per layer where it lowers the error on calibration
             batches it was not estimated from, and only where the model's output gets closer to float
-            (lq/calib/bias_correction.py). The file holds it in the layer's bias. Off by default: on the bench's
-            models it rarely gains, and a conv that had no bias gets one, which onnxruntime's integer kernels
-            round to int32.
+            (lq/calib/bias_correction.py). The file holds it in the layer's bias (no new node). ``null`` (the
+            default): on with ``method: auto`` when there are at least two calibration batches, off with a method
+            named (that method's ranges alone, as the reference toolkit computes them); ``true`` / ``false``:
+            always / never. Measured on a briefly trained EfficientNetV2-S (FP32 63.8%): ``auto`` alone 55.0%,
+            with the correction 59.1%; on well-trained models the judge keeps little or nothing.
         block_method: block-quantized Linear weights (``int4_block_weight``): ``auto`` (the default: the best the
             calibration data supports, ``gptq``'s path, where GPTQ's rounding runs only on layers that saw enough
             rows and the others keep the searched grids, without ``gptq``'s warning about them), ``max``
@@ -394,7 +396,7 @@ class CalibConfig:
     weight_method: str = "max"
     method_overrides: Dict[str, str] = field(default_factory=dict)
     skip_if_calibrated: bool = True
-    bias_correction: bool = False
+    bias_correction: Optional[bool] = None
     block_method: str = "auto"
 
     def __post_init__(self):
@@ -411,8 +413,9 @@ class CalibConfig:
             raise ValueError(f"{owner}.num_bins={self.num_bins!r} is not allowed: expected an int >= 16")
         for glob, m in self.method_overrides.items():
             _choice(owner, f"method_overrides[{glob!r}]", m, CALIB_METHODS)
-        if not isinstance(self.bias_correction, bool):
-            raise ValueError(f"{owner}.bias_correction={self.bias_correction!r} is not allowed: expected true or false")
+        if self.bias_correction is not None and not isinstance(self.bias_correction, bool):
+            raise ValueError(f"{owner}.bias_correction={self.bias_correction!r} is not allowed: expected true, false "
+                             "or null (on with method auto)")
 
     def method_for(self, layer: str) -> str:
         m = self.method

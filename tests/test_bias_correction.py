@@ -241,10 +241,33 @@ def test_calibrate_model_corrects_when_asked_and_says_so():
     res = calibrate_model(q, list(x.split(16)), method="max", progress=False, bias_correction=True)
     assert isinstance(res.bias_correction, bc.BiasCorrectionResult) and res.bias_correction.corrected
     assert res.bias_correction.rows == 64  # the even ones of the 8 check batches, stacked
-    off = calibrate_model(plain, list(x.split(16)), method="max", progress=False)  # the default: off
+    off = calibrate_model(plain, list(x.split(16)), method="max", progress=False)  # a named method: off
     assert off.bias_correction is None and not any(shift.bias_shift(m) is not None for m in plain.modules()
                                                    if isinstance(m, (nn.Conv2d, nn.Linear)))
-    assert CalibConfig().bias_correction is False and CalibConfig(bias_correction=True).bias_correction is True
+    assert CalibConfig().bias_correction is None and CalibConfig(bias_correction=True).bias_correction is True
+    assert CalibConfig().calibrate_kwargs()["bias_correction"] is None
+
+
+def test_the_default_corrects_with_auto_where_it_can_judge():
+    """No ``bias_correction`` given: part of what ``auto`` decides (estimated and judged, as when asked), where
+    there are two calibration batches or more; ``False`` turns it off; one batch leaves nothing to judge by."""
+    x = _digits(128)
+    q = _net()
+    quantize_model(q, quant_desc_input=QuantDescriptor(num_bits=8),
+                   quant_desc_weight=QuantDescriptor(num_bits=4, axis=(0,)), glue=False)
+    models = [copy.deepcopy(q) for _ in range(4)]
+    default = calibrate_model(models[0], list(x.split(16)), progress=False)
+    asked = calibrate_model(models[1], list(x.split(16)), progress=False, bias_correction=True)
+    assert isinstance(default.bias_correction, bc.BiasCorrectionResult) and default.bias_correction.rows == 64
+    assert default.bias_correction.corrected == asked.bias_correction.corrected
+    for a, b in zip(models[0].modules(), models[1].modules()):
+        assert (shift.bias_shift(a) is None) == (shift.bias_shift(b) is None)
+        if shift.bias_shift(a) is not None:
+            assert torch.equal(shift.bias_shift(a), shift.bias_shift(b))
+    no = calibrate_model(models[2], list(x.split(16)), progress=False, bias_correction=False)
+    one = calibrate_model(models[3], [x[:16]], progress=False)
+    for r, m in ((no, models[2]), (one, models[3])):
+        assert r.bias_correction is None and not any(shift.bias_shift(k) is not None for k in m.modules())
     with pytest.raises(ValueError, match="bias_correction"):
         CalibConfig(bias_correction="yes")
 
@@ -309,13 +332,9 @@ def test_every_rank_takes_the_same_corrections(monkeypatch, tmp_path):
 
 
 def test_the_exports_copy_holds_the_shift_in_its_bias():
-    """``fold_into_bias`` (the export's copy): the same outputs from the bias parameter alone, the buffer gone, the
-    layer marked; a layer whose quantizers are off keeps its own bias. A fallback try that turns a marked layer's
-    quantizers off does not reuse the trace (its bias would still hold the shift)."""
-    import onnx
-
-    from lq.export.trace._bypass import without
-
+    """``fold_into_bias`` (the export's copy): the same outputs from the bias parameter alone, the buffer gone; a
+    layer whose quantizers are off keeps its own bias. A fallback try (a copy of the export's copy) that turns a
+    folded layer's quantizers off keeps the corrected bias, as the export's trace it shares holds it."""
     x = _digits(64)
     q = _quantized(_net(), x)
     bc.correct_biases(q, [x], default_forward)
@@ -326,11 +345,14 @@ def test_the_exports_copy_holds_the_shift_in_its_bias():
         want = work(x)
     assert shift.fold_into_bias(work) == 2  # conv1 (no bias of its own before) and conv2
     assert not any(shift.BUFFER in k for k in work.state_dict())
-    assert torch.equal(work.fc.bias, q.fc.bias) and not getattr(work.fc, shift.FOLDED, False)
-    assert getattr(work.conv1, shift.FOLDED) and work.conv1.bias is not None
+    assert torch.equal(work.fc.bias, q.fc.bias)
+    assert torch.equal(work.conv1.bias, shift.quant_bias(q.conv1)) and q.conv1.bias is None
     with torch.no_grad():
         torch.testing.assert_close(work(x), want, rtol=0, atol=0)
-    assert without(onnx.ModelProto(), work, ["conv1._input_quantizer"]) is None
+    tried = copy.deepcopy(work)
+    tried.conv1._input_quantizer.disable()
+    tried.conv1._weight_quantizer.disable()
+    assert torch.equal(tried.conv1.bias, shift.quant_bias(q.conv1))
 
 
 class Residual(nn.Module):

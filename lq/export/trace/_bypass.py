@@ -8,9 +8,12 @@ current exporter, most of a try's cost). Every placeholder carries the module pa
 leave out containers that are never called and number repeated calls, so its files are traced again per try (it
 takes a tenth of a second where the current exporter takes seconds).
 
-Where a placeholder cannot be told apart (no quantizer, or more than one, answers to its path), what it hands on
-besides its output is read (a ``Quant``'s scale), or its layer's bias holds bias correction's shift (which the layer
-drops with its quantizers off), :func:`without` answers None and the caller traces the copy.
+A layer whose bias holds bias correction's shift keeps it in the copy: the copies are made from the export's own
+model, whose shifts are already part of the biases (:func:`lq.nn.modules._bias_shift.fold_into_bias`), so the
+layer sent to float computes with the corrected bias, as the shared trace does.
+
+Where a placeholder cannot be told apart (no quantizer, or more than one, answers to its path) or what it hands on
+besides its output is read (a ``Quant``'s scale), :func:`without` answers None and the caller traces the copy.
 The copy's file is verified against the copy in PyTorch either way, so a wrong answer here cannot reach a file.
 """
 
@@ -24,7 +27,6 @@ from torch import nn
 
 from lq.export._ir import _names_inside, all_nodes, layer_name, subgraphs
 from lq.export.prepare._model_checks import _is_quantizer
-from lq.nn.modules import _bias_shift
 from lq.export.trace._symbolic import DOMAIN
 
 
@@ -42,8 +44,6 @@ def without(proto: onnx.ModelProto, model: nn.Module, off: Iterable[str]) -> onn
     paths of ``model``) pass their input on; None where a placeholder cannot be told apart or its other outputs
     are read (the caller then traces the copy)."""
     off = list(off)
-    if any(getattr(model.get_submodule(name.rpartition(".")[0]), _bias_shift.FOLDED, False) for name in off):
-        return None  # a layer with bias correction's shift in its bias: off, it computes without it (traced again)
     off_ids = {id(model.get_submodule(name)) for name in off}
     paths = _paths(model)
     graph = proto.graph

@@ -17,11 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["BUFFER", "FOLDED", "bias_shift", "fold_into_bias", "install", "quant_bias", "set_bias_shift", "without"]
+__all__ = ["BUFFER", "bias_shift", "fold_into_bias", "install", "quant_bias", "set_bias_shift", "without"]
 
 BUFFER = "_bias_shift"
-#: set on a module whose shift :func:`fold_into_bias` moved into its bias (an export's copy)
-FOLDED = "_lq_bias_shift_folded"
 
 
 def bias_shift(module: nn.Module) -> torch.Tensor | None:
@@ -53,9 +51,9 @@ def quant_bias(module: nn.Module) -> torch.Tensor | None:
 def fold_into_bias(model: nn.Module) -> int:
     """In an export's own copy of the model: each quantizing layer's shift added into its bias parameter (made where
     it had none), the buffer dropped. The traced graph then reads the layer's bias initializer as the uncorrected
-    model's does (the export's passes find their pattern), and the values are the forward's own float32 sum. The
-    layers are marked :data:`FOLDED` (a copy with such a layer's quantizers turned off is no longer this graph
-    with its Q/DQ removed). Returns how many layers were folded."""
+    model's does (the export's passes find their pattern), and the values are the forward's own float32 sum. A
+    layer the fallback later sends to float in a copy of this model keeps the corrected bias (so the fallback's
+    tries share the export's trace). Returns how many layers were folded."""
     n = 0
     for m in model.modules():
         shift = m._buffers.get(BUFFER)
@@ -65,7 +63,6 @@ def fold_into_bias(model: nn.Module) -> int:
             with torch.no_grad():
                 value = quant_bias(m).detach().clone()
             m._parameters["bias"] = nn.Parameter(value, requires_grad=False)
-            m.__dict__[FOLDED] = True
             n += 1
         del m._buffers[BUFFER]
     return n
