@@ -225,11 +225,13 @@ def finish_run(out: Path, name: str, data: dict, title: str, intro: str, table_m
     return md
 
 
-def print_targets(targets: Sequence[tuple[str, str, bool]], md: Path, seconds: float) -> None:
-    """The end of a bench with targets: one PASS/MISS line per target, then where the markdown went."""
+def print_targets(targets: Sequence[tuple[str, str, bool]], md: Path | None, seconds: float) -> None:
+    """The end of a bench with targets: one PASS/MISS line per target, then where the markdown went (``md`` None:
+    :func:`finish_run` said it already)."""
     for what, measured, ok in targets:
         print(f"{'PASS' if ok else 'MISS'}  {what}: {measured}")
-    print(f"\nwrote {md} ({seconds:.0f} s)")
+    if md is not None:
+        print(f"\nwrote {md} ({seconds:.0f} s)")
 
 
 def log(msg: str) -> None:

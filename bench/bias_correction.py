@@ -235,10 +235,10 @@ def main(argv=None) -> int:
                   f"({lq_row['verdict']}).\n\n" + _report.table(
                       ["target", "measured", "met"],
                       [(t, m, "yes" if ok else "**no**") for t, m, ok in weak_targets(weak)], "llc"))
-    md = _report.finish_run(out, "bias_correction", {"rows": rows, "weak_v2": weak, "fast": args.fast},
+    _report.finish_run(out, "bias_correction", {"rows": rows, "weak_v2": weak, "fast": args.fast},
                             "Bias correction", intro, table, cmd, time.perf_counter() - t0)
     if weak is not None:
-        _report.print_targets(weak_targets(weak), md, time.perf_counter() - t0)
+        _report.print_targets(weak_targets(weak), None, time.perf_counter() - t0)
     return 0
 
 
