@@ -43,7 +43,7 @@ from lq.calib import bias_correction as _bias
 from lq.calib._forward import default_forward, model_inputs
 from lq.nn.modules.tensor_quantizer import TensorQuantizer, iter_quantizers, name_quantizers
 
-HISTOGRAM_METHODS = ("entropy", "percentile", "mse")
+HISTOGRAM_METHODS = ("entropy", "percentile", "mse", "sample_mean")
 #: ``auto`` collects histograms and then picks one of the others per layer group (:mod:`lq.auto_calib`)
 METHODS = ("max",) + HISTOGRAM_METHODS + ("auto",)
 
@@ -300,7 +300,7 @@ def warn_heavy_clipping(quantizers, methods: Mapping[str, str], fraction: float 
     for name, q in quantizers:
         cal = q.calibrator
         top = getattr(cal, "_absmax", None)
-        if methods.get(name, "max") == "max" or q.amax is None or top is None:
+        if methods.get(name, "max") in ("max", "sample_mean") or q.amax is None or top is None:  # clips by design
             continue
         amax, top = float(q.amax.detach().max()), float(top.max())
         if top > 0 and amax < fraction * top:

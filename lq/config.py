@@ -24,7 +24,7 @@ from lq.tensor_quant import QuantDescriptor
 
 FORMATS = ("int", "fp8_e4m3")
 BLOCK_TYPES = ("static", "dynamic")
-CALIB_METHODS = ("auto", "max", "entropy", "percentile", "mse")
+CALIB_METHODS = ("auto", "max", "entropy", "percentile", "mse", "sample_mean")
 CALIB_DATALOADERS = ("train", "val")
 BLOCK_METHODS = ("auto", "max", "mse", "awq", "gptq")
 LR_POLICIES = ("auto", "none", "cosine")
@@ -357,7 +357,8 @@ class CalibConfig:
         method: ``auto`` (per layer group, whichever of max / percentile / mse / entropy keeps the model's
             output closest to float on the first calibration batches, checked against ``max`` on up to 8 batches:
             never worse than ``max`` on the model's output), or ``max``, ``entropy`` (TensorRT's KL),
-            ``percentile`` or ``mse`` for every layer.
+            ``percentile``, ``mse`` or ``sample_mean`` (NNCF's default activation range: the mean over samples of
+            each sample's largest |x|, per tensor) for every layer.
         num_batches: batches of the calibration dataloader to collect.
         dataloader: ``train`` or ``val``: which of the datamodule's loaders calibrates.
         percentile: for ``method="percentile"``.
@@ -372,7 +373,9 @@ class CalibConfig:
             default): on with ``method: auto`` when there are at least two calibration batches, off with a method
             named (that method's ranges alone, as the reference toolkit computes them); ``true`` / ``false``:
             always / never. Measured on a briefly trained EfficientNetV2-S (FP32 63.8%): ``auto`` alone 55.0%,
-            with the correction 59.1%; on well-trained models the judge keeps little or nothing.
+            with the correction 59.1%; on well-trained models the judge keeps little or nothing. Not with
+            ``sample_mean``: its clipped ranges put the output R² the judge compares near 0 (forced on: 88.7% ->
+            38.6% on another training of that model).
         block_method: block-quantized Linear weights (``int4_block_weight``): ``auto`` (the default: the best the
             calibration data supports, ``gptq``'s path, where GPTQ's rounding runs only on layers that saw enough
             rows and the others keep the searched grids, without ``gptq``'s warning about them), ``max``

@@ -33,11 +33,13 @@ from lq import _checks
 __all__ = ["_Calibrator", "METHODS", "METHOD_KWARGS"]
 
 #: Every method name any calibrator understands ("max" and None mean: the calibrator's own rule).
-METHODS = (None, "max", "entropy", "mse", "percentile")
+METHODS = (None, "max", "entropy", "mse", "percentile", "sample_mean")
 #: Keyword arguments of :meth:`_Calibrator.compute_amax` (histogram methods); others are a TypeError.
 METHOD_KWARGS = ("stride", "start_bin", "percentile")
 
 _REDUCE_FX = ("max", "min", "sum", "cat", "custom")
+#: states a calibrator's state_dict from before they existed lacks (the signed range, the per-sample extremes)
+_ADDED_LATER = ("_range_", "_sample_")
 
 
 def _norm_calib_axis(axis):
@@ -248,10 +250,10 @@ class _Calibrator:
             raise ValueError(
                 f"{type(self).__name__} state_dict has settings {state.get('config')}, this calibrator {self._config()}"
             )
-        missing = [n for n in self._state_specs if n not in state and not n.startswith("_range_")]
+        missing = [n for n in self._state_specs if n not in state and not n.startswith(_ADDED_LATER)]
         if missing:
             raise KeyError(f"{type(self).__name__} state_dict lacks {missing}")
-        for name in self._state_specs:  # a state_dict from before the signed range has none: None
+        for name in self._state_specs:  # a state_dict from before a state was added has none: None
             setattr(self, name, _detach(state.get(name)))
         self._nonfinite_total = int(state.get("nonfinite_total", 0))
 

@@ -46,7 +46,7 @@ __all__ = [
     "compute_amax_percentile",
 ]
 
-HIST_METHODS = ("entropy", "mse", "percentile", "max")
+HIST_METHODS = ("entropy", "mse", "percentile", "max", "sample_mean")
 #: default growth bound: ``max_bins = GROWTH_LIMIT * num_bins``
 GROWTH_LIMIT = 4
 
@@ -91,6 +91,9 @@ class HistogramCalibrator(_Calibrator):
         self.add_state("_nbins", None, "custom")  # int64 (C,): bins in use per row
         self.add_state("_absmax", None, "custom")  # float32 (C,), finite absmax
         self.add_state("_amax_shape", None, "custom")  # broadcast shape of the amax
+        if self._axis is None:  # per tensor: the mean over samples of each sample's largest |x| ("sample_mean")
+            self.add_state("_sample_absmax_sum", None, "sum")  # float64 ()
+            self.add_state("_sample_count", None, "sum")  # float64 ()
         self._signed_range = bool(signed_range) and self._axis is None
         if self._signed_range:
             self._track_range()  # the signed range an asymmetric quantizer clips with the method's amax
@@ -199,6 +202,8 @@ class HistogramCalibrator(_Calibrator):
         if self._signed_range:
             lo, hi, _ = finite_minmax(x, tuple(range(x.dim())), [])
             self._note_range(lo, hi)
+        if self._axis is None:
+            self._note_samples(x)
         xc, axis, shape = self._channel_view(x)
         C = 1 if axis is None else xc.shape[axis]
         if self._counts is None:
@@ -231,6 +236,22 @@ class HistogramCalibrator(_Calibrator):
         self._absmax = torch.maximum(self._absmax, absmax.to(home))
         self._note_nonfinite(int(nonfinite.sum()))
 
+    def _note_samples(self, x: torch.Tensor) -> None:
+        """Per tensor: add each sample's largest finite ``|x|`` (a sample = an index of the first dimension; a
+        0-d tensor is one sample) to the running sum behind ``sample_mean``."""
+        rows = x.reshape(x.shape[0] if x.dim() else 1, -1)
+        a = rows.abs()
+        if not bool(torch.isfinite(a).all()):
+            a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype, device=a.device))
+        s = a.amax(1).double().sum().reshape(())
+        n = torch.tensor(float(rows.shape[0]), dtype=torch.float64, device=s.device)
+        if self._sample_absmax_sum is None:
+            self._sample_absmax_sum, self._sample_count = s, n
+        else:
+            dev = self._sample_absmax_sum.device
+            self._sample_absmax_sum = self._sample_absmax_sum + s.to(dev)
+            self._sample_count = self._sample_count + n.to(dev)
+
     def _hist(self, xc, w, cols: int, axis):
         """One ``abs_histogram`` pass on width ``w``: ``(counts (C, K), absmax, reach, nonfinite)``.
 
@@ -246,7 +267,8 @@ class HistogramCalibrator(_Calibrator):
 
     # ------------------------------------------------------------------ amax
     def compute_amax(self, method=None, *, stride=1, start_bin=128, percentile=99.99):
-        """amax by ``method`` ("entropy", "mse", "percentile", or "max" for the exact absmax).
+        """amax by ``method`` ("entropy", "mse", "percentile", "max" for the exact absmax, or "sample_mean": the
+        mean over samples of each sample's largest ``|x|``, NNCF's default activation range, per tensor only).
 
         Returns a float32 tensor with the quantization's broadcast shape
         (``()`` per tensor), or None when no data was collected. amax never
@@ -265,6 +287,9 @@ class HistogramCalibrator(_Calibrator):
                                  f"{self._num_bins}, got {start_bin!r}")
         if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
             raise ValueError(f"percentile {percentile!r} is out of range: it must be in (0, 100]")
+        if method == "sample_mean" and self._axis is not None:
+            raise ValueError("calibration method 'sample_mean' is per tensor: this calibrator keeps one amax per "
+                             f"channel (axis={self._axis}); use max, entropy, mse or percentile")
         if self._counts is None:
             return None
         key = (method, stride, start_bin, float(percentile))
@@ -282,7 +307,8 @@ class HistogramCalibrator(_Calibrator):
         in-place change, which bumps a tensor's version). The memo holds the tensors themselves, so an identity
         it compares cannot be reused by another tensor. None (no memo) for a histogram collected under
         ``torch.inference_mode`` (Lightning's validate): inference tensors keep no version."""
-        tensors = (self._counts, self._width, self._nbins, self._absmax)
+        tensors = (self._counts, self._width, self._nbins, self._absmax,
+                   *(t for t in (getattr(self, "_sample_absmax_sum", None),) if t is not None))
         if any(t.is_inference() for t in tensors):
             return None
         state = tuple((t, t._version) for t in tensors)
@@ -296,6 +322,8 @@ class HistogramCalibrator(_Calibrator):
         width, n = self._width.double(), self._nbins
         if method == "max":
             amax = self._absmax.double()
+        elif method == "sample_mean":
+            amax = (self._sample_absmax_sum / self._sample_count.clamp_min(1)).reshape(1)
         elif method == "entropy":
             if self._num_bits == (4, 3):
                 raise ValueError("entropy calibration needs integer num_bits; use 'mse' or 'percentile' for FP8")
