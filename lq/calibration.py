@@ -156,9 +156,11 @@ def collect(
         if calibrator_kind(methods[name]) == "histogram":
             keep = (_has_kind(q, "histogram") and q.calibrator.num_bins == num_bins  # a user's settings stay
                     and (q.calibrator._signed_range or not q.asymmetric))  # an asymmetric one needs the range
-            hist.append((name, q, q.calibrator if keep else
-                         calib.HistogramCalibrator(q.num_bits, q.axis, q.unsigned, num_bins=num_bins,
-                                                   signed_range=q.asymmetric)))
+            cal = q.calibrator if keep else calib.HistogramCalibrator(q.num_bits, q.axis, q.unsigned,
+                                                                       num_bins=num_bins, signed_range=q.asymmetric)
+            if methods[name] == "sample_mean":
+                cal.track_samples()
+            hist.append((name, q, cal))
             q.calibrator = "max"  # the range pass
         elif not _has_kind(q, "max"):
             q.calibrator = "max"

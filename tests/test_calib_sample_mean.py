@@ -25,7 +25,7 @@ def test_amax_is_the_mean_of_each_samples_absmax_over_every_batch():
     torch.manual_seed(0)
     a, b = torch.randn(5, 3, 4, 4), 3 * torch.randn(7, 3, 4, 4)
     b[2, 1, 0, 0] = float("nan")  # skipped, as every calibrator skips it
-    cal = HistogramCalibrator(num_bits=8)
+    cal = HistogramCalibrator(num_bits=8).track_samples()
     cal.collect(a)
     cal.collect(b)
     got = float(cal.compute_amax("sample_mean"))
@@ -36,7 +36,7 @@ def test_amax_is_the_mean_of_each_samples_absmax_over_every_batch():
 def test_merged_calibrators_give_the_amax_of_all_their_data():
     torch.manual_seed(1)
     xs = [torch.randn(4, 8) * (i + 1) for i in range(4)]
-    one, left, right = (HistogramCalibrator(num_bits=8) for _ in range(3))
+    one, left, right = (HistogramCalibrator(num_bits=8).track_samples() for _ in range(3))
     for x in xs:
         one.collect(x)
     for x in xs[:2]:
@@ -53,12 +53,16 @@ def test_per_channel_calibrators_refuse_it_and_old_states_still_load():
     cal.collect(torch.randn(4, 3))
     with pytest.raises(ValueError, match="sample_mean.*per tensor"):
         cal.compute_amax("sample_mean")
-    per_tensor = HistogramCalibrator(num_bits=8)
+    per_tensor = HistogramCalibrator(num_bits=8).track_samples()
     per_tensor.collect(torch.randn(4, 3))
     state = {k: v for k, v in per_tensor.state_dict().items() if not k.startswith("_sample_")}  # an older file
-    fresh = HistogramCalibrator(num_bits=8)
+    fresh = HistogramCalibrator(num_bits=8).track_samples()
     fresh.load_state_dict(state)
     assert torch.equal(fresh.compute_amax("max"), per_tensor.compute_amax("max"))
+    plain = HistogramCalibrator(num_bits=8)  # collected without the per-sample maxima: said, not guessed
+    plain.collect(torch.randn(4, 3))
+    with pytest.raises(ValueError, match="track_samples"):
+        plain.compute_amax("sample_mean")
 
 
 def test_calibrate_model_sets_input_ranges_to_the_per_sample_mean():
