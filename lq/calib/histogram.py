@@ -199,7 +199,7 @@ class HistogramCalibrator(_Calibrator):
         if self._signed_range:
             lo, hi, _ = finite_minmax(x, tuple(range(x.dim())), [])
             self._note_range(lo, hi)
-        if "_sample_count" in self._state_specs:
+        if self._tracks_samples:
             self._note_samples(x)
         xc, axis, shape = self._channel_view(x)
         C = 1 if axis is None else xc.shape[axis]
@@ -237,13 +237,20 @@ class HistogramCalibrator(_Calibrator):
         """Also keep, per tensor, the sum of each sample's largest ``|x|`` and the sample count, which
         ``sample_mean`` needs (one more reduction per batch, about 40% of a collection's cost: only where that
         method is asked for; :func:`lq.calibration.collect` asks). Returns self."""
-        if self._axis is not None:
-            raise ValueError("calibration method 'sample_mean' is per tensor: this calibrator keeps one amax per "
-                             f"channel (axis={self._axis}); use max, entropy, mse or percentile")
-        if "_sample_count" not in self._state_specs:
+        self._refuse_per_channel()
+        if not self._tracks_samples:
             self.add_state("_sample_absmax_sum", None, "sum")  # float64 ()
             self.add_state("_sample_count", None, "sum")  # float64 ()
         return self
+
+    @property
+    def _tracks_samples(self) -> bool:
+        return "_sample_count" in self._state_specs
+
+    def _refuse_per_channel(self) -> None:
+        if self._axis is not None:
+            raise ValueError("calibration method 'sample_mean' is per tensor: this calibrator keeps one amax per "
+                             f"channel (axis={self._axis}); use max, entropy, mse or percentile")
 
     def _note_samples(self, x: torch.Tensor) -> None:
         """Per tensor: add each sample's largest finite ``|x|`` (a sample = an index of the first dimension; a
@@ -301,9 +308,8 @@ class HistogramCalibrator(_Calibrator):
         if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
             raise ValueError(f"percentile {percentile!r} is out of range: it must be in (0, 100]")
         if method == "sample_mean":
-            if self._axis is not None:
-                self.track_samples()  # refuses, saying why
-            if self._counts is not None and getattr(self, "_sample_count", None) is None:
+            self._refuse_per_channel()
+            if self._counts is not None and (not self._tracks_samples or self._sample_count is None):
                 raise ValueError("calibration method 'sample_mean' needs the per-sample maxima, which this "
                                  "calibrator did not collect: call track_samples() before collecting (calibrate_model "
                                  "does it for that method)")
@@ -324,8 +330,9 @@ class HistogramCalibrator(_Calibrator):
         in-place change, which bumps a tensor's version). The memo holds the tensors themselves, so an identity
         it compares cannot be reused by another tensor. None (no memo) for a histogram collected under
         ``torch.inference_mode`` (Lightning's validate): inference tensors keep no version."""
-        tensors = (self._counts, self._width, self._nbins, self._absmax,
-                   *(t for t in (getattr(self, "_sample_absmax_sum", None),) if t is not None))
+        tensors = (self._counts, self._width, self._nbins, self._absmax)
+        if self._tracks_samples and self._sample_absmax_sum is not None:
+            tensors += (self._sample_absmax_sum,)
         if any(t.is_inference() for t in tensors):
             return None
         state = tuple((t, t._version) for t in tensors)
