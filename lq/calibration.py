@@ -158,8 +158,9 @@ def collect(
                     and (q.calibrator._signed_range or not q.asymmetric))  # an asymmetric one needs the range
             cal = q.calibrator if keep else calib.HistogramCalibrator(q.num_bits, q.axis, q.unsigned,
                                                                        num_bins=num_bins, signed_range=q.asymmetric)
-            if methods[name] == "sample_mean":
-                cal.track_samples()
+            if methods[name] == "sample_mean" or (methods[name] == "auto" and q.axis is None
+                                                  and not is_weight_quantizer(name)):
+                cal.track_samples()  # auto tries a classifier's choice against these ranges (lq.auto_calib)
             hist.append((name, q, cal))
             q.calibrator = "max"  # the range pass
         elif not _has_kind(q, "max"):
@@ -424,7 +425,8 @@ def _calibrate(model, batches, method, weight_method, method_overrides, num_batc
     if blocks:  # moves weights (AWQ's scaling, GPTQ's rounding): before the correction, which measures the outputs
         result.block_choices = _block_search.search_block_scales(model, block_method, batches, forward, num_batches)
     if bias_correction:
-        result.bias_correction = correct_biases(model, check, forward, process_group=process_group)
+        judge = result.auto.judged_by if result.auto is not None else "r2"
+        result.bias_correction = correct_biases(model, check, forward, process_group=process_group, judge=judge)
     return result
 
 
@@ -456,7 +458,7 @@ class _ReferenceKeeper:
 
 
 def correct_biases(model: nn.Module, batches: Iterable, forward: Callable[[nn.Module, Any], Any] = default_forward, *,
-                   num_batches: int | None = None, process_group=None):
+                   num_batches: int | None = None, process_group=None, judge: str = "r2"):
     """Bias correction of a calibrated ``model`` (:mod:`lq.calib.bias_correction`) on up to
     :data:`lq.auto_calib.CHECK_BATCHES` of ``batches`` (the first ``num_batches``), as :func:`calibrate_model`
     does it: for a step that changes weights after calibration (the block-weight searches), run after it.
@@ -471,7 +473,7 @@ def correct_biases(model: nn.Module, batches: Iterable, forward: Callable[[nn.Mo
         warnings.warn("lq calibration: bias correction skipped: a process had no calibration batch to estimate "
                       "it on", RuntimeWarning, stacklevel=2)
         return None
-    res = _bias.correct_biases(model, batches, forward, process_group=process_group)
+    res = _bias.correct_biases(model, batches, forward, process_group=process_group, judge=judge)
     logging.getLogger("lq").info("%s", res)
     return res
 

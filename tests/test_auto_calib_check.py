@@ -220,7 +220,8 @@ def _ddp_worker(rank, world, init_file, out_dir):
         res = calibrate_model(m, batches, method="auto")
         a = res.auto
         torch.save({"amax": {k: v.clone() for k, v in res.items()},
-                    "auto": (a.chosen, a.methods, a.fell_back, a.auto_score, a.max_score, a.batches)},
+                    "auto": (a.chosen, a.methods, a.fell_back, a.auto_score, a.max_score, a.batches),
+                    "classifier": (a.alternative, a.agreement, a.p_value)},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -247,3 +248,5 @@ def test_every_rank_takes_the_same_decision(monkeypatch):
     assert (c0, m0, f0) == (c1, m1, f1) and any(m != "max" for m in c0.values())
     assert a0 == a1 and x0 == x1 and a0 is not None  # the check ran, on rank-averaged scores
     assert (b0, b1) == (8, 3)
+    # a classifier's paired test counts the rows of both ranks: the same verdict on each
+    assert r0["classifier"] == r1["classifier"] and r0["classifier"][1] is not None

@@ -28,9 +28,11 @@ __all__ = [
     "FIDELITY_KINDS",
     "MethodSearchResult",
     "Metric",
+    "agreement_rows",
     "calibration_method_search",
     "fidelity_metric",
     "group_members",
+    "is_class_scores",
     "quantization_disabled",
     "quantized_layers",
 ]
@@ -258,12 +260,17 @@ def fidelity_metric(
     out_fn = output or _default_output
     memo = {} if memo is None else memo
 
+    info: dict = {}
+
     @torch.no_grad()
     def run(m, b):
         was = m.training
         m.eval()
         try:
-            return output_rows(fwd(m, b), b, out_fn)
+            result = fwd(m, b)
+            if "class_scores" not in info:
+                info["class_scores"] = is_class_scores(result, b, out_fn)
+            return output_rows(result, b, out_fn)
         finally:
             m.train(was)
 
@@ -282,7 +289,13 @@ def fidelity_metric(
         key = None if state is None else (state(m), id(b), kind)
         if key is not None and key in memo:
             return memo[key]
+        agree = None if key is None else memo.get((key[0], id(b), "agree"))
+        if kind == "top1" and agree is not None:  # a forward of another kind in this state left the rows
+            memo[key] = float(agree.sum())
+            return memo[key]
         o = run(m, b)
+        if key is not None:  # which rows agree in top-1 with float, whatever the kind (a paired test reads them)
+            memo[(key[0], id(b), "agree")] = o.argmax(1) == r.argmax(1)
         if kind == "cosine":
             v = float(torch.nn.functional.cosine_similarity(o, r, dim=1).sum())
         elif kind in ("mse", "r2"):
@@ -304,7 +317,32 @@ def fidelity_metric(
     metric.higher_is_better = kind != "mse"  # type: ignore[attr-defined]
     metric.__name__ = f"output {kind} vs float"
     metric.reference = ref  # type: ignore[attr-defined]
+    #: ``info["class_scores"]``: whether the output is one row of class scores per sample (:func:`is_class_scores`),
+    #: known once the metric ran the model
+    metric.info = info  # type: ignore[attr-defined]
     return metric
+
+
+def agreement_rows(metric: Metric, model: nn.Module, batches: Sequence, state: Callable[[nn.Module], Any],
+                   memo: dict) -> torch.Tensor:
+    """Per row of ``batches``, whether ``model``'s top-1 agrees with float's, as ``metric`` (a
+    :func:`fidelity_metric` made with ``state`` and ``memo`` on these batches) scores the model as it stands:
+    one forward per batch not scored in this state before."""
+    if not batches:
+        return torch.zeros(0, dtype=torch.bool)
+    metric(model)
+    s = state(model)
+    return torch.cat([memo[(s, id(b), "agree")] for b in batches])
+
+
+def is_class_scores(result, batch, output: Callable[[Any, Any], torch.Tensor] | None = None) -> bool:
+    """Whether a forward's ``result`` is a classifier's: one row of at least two float scores per sample (2-D
+    logits, not a score map, a sequence of hidden states or a single regressed value)."""
+    try:
+        o = (output or _default_output)(result, batch)
+    except TypeError:
+        return False
+    return isinstance(o, torch.Tensor) and o.is_floating_point() and o.dim() == 2 and o.shape[1] >= 2
 
 
 def output_rows(result, batch, output: Callable[[Any, Any], torch.Tensor] | None = None) -> torch.Tensor:

@@ -61,9 +61,11 @@ class BiasCorrectionResult:
     not_helping: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     rows: int = 0
-    #: output R2 against float on the judging batches with the corrections kept, and without any
+    #: the model's output against float on the judging batches (by ``judge``) with the corrections kept, and without
     score: float | None = None
     score_without: float | None = None
+    #: the :func:`fidelity_metric` kind of ``score``: ``"r2"``, or ``"top1"`` where ``auto`` chose by it
+    judge: str = "r2"
     #: the model's output was further from float with the corrections: none kept
     fell_back: bool = False
 
@@ -74,7 +76,8 @@ class BiasCorrectionResult:
         if self.skipped:
             s += f", {len(self.skipped)} left alone"
         if self.score is not None:
-            s += f"; output R2 {self.score:.5f} with, {self.score_without:.5f} without"
+            what = "output R2" if self.judge == "r2" else f"output {self.judge}"
+            s += f"; {what} {self.score:.5f} with, {self.score_without:.5f} without"
             if self.fell_back:
                 s += ": none kept"
         return s
@@ -253,14 +256,16 @@ def _corrected_pass(model, sites: list[_Site], batch, forward, process_group) ->
             h.remove()
 
 
-def _judge(model, sites: list[_Site], batches: Sequence, forward, result, process_group) -> None:
+def _judge(model, sites: list[_Site], batches: Sequence, forward, result, process_group, judge: str) -> None:
     """On the judging ``batches``: keep a site's correction only where it lowers that layer's squared mean error,
-    then keep the corrections at all only where the model's output is closer to float with them (output R2,
-    as ``auto`` judges)."""
+    then keep the corrections at all only where the model's output is closer to float with them (by ``judge``,
+    a :func:`fidelity_metric` kind: output R2, or top-1 agreement where ``auto`` chose a classifier's ranges by
+    it)."""
     fp_means: list = []
+    result.judge = judge
     try:
         with _measuring([s.layer for s in sites], fp_means, process_group):
-            metric = fidelity_metric(model, batches, forward=forward, kind="r2")
+            metric = fidelity_metric(model, batches, forward=forward, kind=judge)
     except Exception:  # noqa: BLE001 - an output with nothing per sample to compare: the per-layer verdict alone
         # (an error of the model itself comes back from the float pass below)
         metric = None
@@ -304,7 +309,8 @@ def squared_error_change(shift: torch.Tensor, error: torch.Tensor) -> float:
 
 
 def _score(metric, model, batches, forward, process_group) -> float:
-    """The output R2 against float, averaged over the ranks (the quantized pass alone without a metric)."""
+    """The metric (output R2 or top-1 agreement against float), averaged over the ranks (the quantized pass alone
+    without a metric)."""
     if metric is None:
         _run(model, batches, forward)
         return 0.0
@@ -366,11 +372,12 @@ def _reduced_means(sums, counts, channels, process_group) -> list:
 
 
 def correct_biases(model: nn.Module, batches: Sequence, forward: Callable[[nn.Module, Any], Any], *,
-                   process_group=None) -> BiasCorrectionResult:
+                   process_group=None, judge: str = "r2") -> BiasCorrectionResult:
     """Set the bias shift of every quantized conv / linear of a calibrated ``model`` to the mean output shift
     quantization causes: estimated on the even ``batches`` stacked into one, judged on the odd ones (see the
     module docstring); earlier shifts are replaced. Returns what was done. Every rank of a process group must
-    call it, with batches."""
+    call it, with batches. ``judge``: how the model's output is compared with float's to keep the corrections at
+    all (a :func:`fidelity_metric` kind; ``auto``'s :attr:`lq.auto_calib.AutoResult.judged_by`)."""
     result = BiasCorrectionResult()
     candidates = _candidates(model)
     if not candidates or not batches:
@@ -386,7 +393,7 @@ def correct_biases(model: nn.Module, batches: Sequence, forward: Callable[[nn.Mo
         sites = _float_pass(model, candidates, batch, forward, result, process_group)
         if sites:
             _corrected_pass(model, sites, batch, forward, process_group)
-            _judge(model, sites, list(batches)[1::2], forward, result, process_group)
+            _judge(model, sites, list(batches)[1::2], forward, result, process_group, judge)
     except BaseException:
         for m, shift in saved:
             _bias_shift.set_bias_shift(m, shift)
