@@ -10,7 +10,10 @@ with every calibration method (max, entropy, percentile 99.9/99.99/99.999,
 mse); INT8 QAT through ``lq.QuantCallback`` (on the labels, and distilled
 from the FP32 model); the label-trained QAT model exported with
 ``lq.export.export_onnx`` and run in onnxruntime (accuracy, and the fraction of
-samples where onnxruntime predicts the same class as PyTorch fake-quant); 4-bit
+samples where onnxruntime predicts the same class as PyTorch fake-quant); each
+tool's default post-training file from the same 16 calibration batches, run in
+onnxruntime: lq's (``quantize_model``, ``calibrate_model``, ``export_onnx``, no
+options), onnxruntime's ``quantize_static`` and NNCF's ``nncf.quantize``; 4-bit
 weights per channel and in blocks of 16 input channels (W4A8), PTQ and QAT.
 
 The pretrained all-MiniLM-L6-v2 (see :mod:`bench.minilm`): W8A8 PTQ of its
@@ -171,6 +174,9 @@ def run_cnn(name: str, fast: bool, out: Path, log) -> dict:
         + f"; best on val: {best}")
     res["histograms"] = _cnn_histograms(name, ptq, qs, out)
 
+    # ---- the default post-training path's file beside onnxruntime's and NNCF's, on the same calibration images
+    res["rows"].update(_default_ptq_files(fp32, calib_batches, x_test, y_test, log, name))
+
     label_to = {lab: (m, kw) for lab, m, kw in METHODS}
     method, kw = label_to[best]
     calib_cfg = CalibConfig(method=method, num_batches=16, percentile=kw.get("percentile", 99.99))
@@ -209,6 +215,50 @@ def run_cnn(name: str, fast: bool, out: Path, log) -> dict:
         log(f"  {name}: {label} PTQ {res['rows'][f'{label} PTQ']['acc']:.4f}, "
             f"QAT {res['rows'][f'{label} QAT']['acc']:.4f}")
     return res
+
+
+#: the rows of the files made by each tool's default post-training path (run in onnxruntime)
+LQ_DEFAULT_ROW = "default PTQ file (onnxruntime): lq"
+PEER_ROWS = {"qs": "default PTQ file (onnxruntime): quantize_static", "nncf": "default PTQ file (onnxruntime): NNCF"}
+
+
+def _default_ptq_files(fp32, calib_batches, x, y, log, name) -> dict:
+    """Each tool's default post-training file of the FP32 model, from the same calibration images, run in
+    onnxruntime: lq's (``quantize_model`` + ``calibrate_model`` + ``export_onnx``, no options), onnxruntime's
+    ``quantize_static`` and NNCF's ``nncf.quantize`` (both on the plain legacy FP32 export)."""
+    from bench.onnx_export import export_fp32, nncf_quantize, ort_quantize_static
+    from lq.calibration import calibrate_model
+    from lq.convert import quantize_model
+    from lq.export import export_onnx
+    from lq.export.verify._verify import make_session
+
+    inputs = [b[0] for b in calib_batches]
+    rows: dict = {}
+    with tempfile.TemporaryDirectory() as d:
+        paths = {"lq": os.path.join(d, "lq.onnx"), "fp32": os.path.join(d, "fp32.onnx")}
+        q = copy.deepcopy(fp32).eval()
+        quantize_model(q, sample=inputs[0])
+        calibrate_model(q, calib_batches, progress=False)
+        export_onnx(q, x[:8], paths["lq"], speed_check=False, progress=False)
+        export_fp32(fp32, paths["fp32"], tuple(x.shape[1:]))
+        for k, make in (("qs", ort_quantize_static), ("nncf", nncf_quantize)):
+            paths[k] = os.path.join(d, f"{k}.onnx")
+            try:
+                make(paths["fp32"], paths[k], inputs)
+            except Exception as e:  # noqa: BLE001 - a peer that fails is reported, the table still runs
+                rows[PEER_ROWS[k]] = {"acc": None, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+                paths.pop(k)
+        for k, p in paths.items():
+            if k == "fp32":
+                continue
+            sess = make_session(p, intra_op_num_threads=1)
+            inp = sess.get_inputs()[0].name
+            pred = np.concatenate([sess.run(None, {inp: x[i : i + 256].numpy()})[0].argmax(1)
+                                   for i in range(0, len(x), 256)])
+            rows[LQ_DEFAULT_ROW if k == "lq" else PEER_ROWS[k]] = {"acc": float((pred == y.numpy()).mean())}
+    log(f"  {name}: default PTQ files in onnxruntime: " + ", ".join(
+        f"{k.split(': ')[-1]} {_pct(v['acc'])}" for k, v in rows.items()))
+    return rows
 
 
 @torch.no_grad()
@@ -585,6 +635,11 @@ def targets(results: dict) -> list[tuple[str, str, bool | None]]:
                 qat = r["rows"][row]["acc"]
                 out.append((f"{n}: {what} within 0.2 points of FP32", f"{100 * (qat - fp):+.2f} points",
                             qat >= fp - 0.002 - 1e-9))
+        lq_file, nncf_file = (r["rows"].get(k, {}).get("acc") for k in (LQ_DEFAULT_ROW, PEER_ROWS["nncf"]))
+        if lq_file is not None:
+            out.append((f"{n}: lq's default PTQ file >= NNCF's default file - 0.3 point (onnxruntime)",
+                        f"{_pct(lq_file)} vs {_pct(nncf_file)}",
+                        None if nncf_file is None else lq_file >= nncf_file - 0.003 - 1e-9))
         o = r["rows"].get("INT8 QAT -> ONNX (onnxruntime)", {})
         ag = o.get("agreement")
         out.append((f"{n}: ONNX (onnxruntime) same prediction as PyTorch fake-quant on >= 99.9%",

@@ -147,7 +147,10 @@ def _lq_file(model, batches, path: str, **calib) -> dict:
     seconds = time.perf_counter() - t
     r = export_onnx(q, batches[0], path, speed_check=False)
     bc = res.bias_correction
-    return {"calib_s": seconds, "verdict": r.verdict, "kept": None if bc is None else len(bc.corrected)}
+    a = res.auto
+    return {"calib_s": seconds, "verdict": r.verdict, "kept": None if bc is None else len(bc.corrected),
+            "auto": None if a is None else {"alternative": a.alternative, "agreement": a.agreement,
+                                            "p_value": a.p_value}}
 
 
 def run_weak_v2(fast: bool, d: str) -> dict:
@@ -190,6 +193,16 @@ def weak_targets(row: dict) -> list[tuple[str, str, bool]]:
     return out
 
 
+def _auto_line(a: dict | None) -> str:
+    """What ``auto`` decided for the classifier: its choice against the per-sample ranges, by top-1 agreement."""
+    if not a or a.get("agreement") is None:
+        return ""
+    c, alt, m = (f"{100 * v:.1f}%" for v in a["agreement"])
+    took = "took the per-sample ranges" if a["alternative"] else "kept its choice"
+    return (f"\n\nlq's `auto`: top-1 agreement with FP32 on the 256 calibration images {c} with its R2 choice, {alt} "
+            f"with the per-sample ranges (`sample_mean`), {m} with max; paired p = {a['p_value']:.2g}: {took}.")
+
+
 def _kept(k: dict) -> str:
     if k["fell_back"]:
         return f"none kept ({k['not_helping']} of the rest not helping)"
@@ -230,6 +243,7 @@ def main(argv=None) -> int:
         table += _report.table(list(WEAK_COLUMNS.values()), [[f"{100 * a[k]:.1f}%" for k in WEAK_COLUMNS]],
                                "r" * len(WEAK_COLUMNS))
         lq_row = weak["files"]["lq"]
+        table += _auto_line(lq_row.get("auto"))
         table += (f"\n\nlq default: {lq_row['kept']} layers corrected, calibration {lq_row['calib_s']:.1f} s "
                   f"(without the correction {weak['files']['lq_off']['calib_s']:.1f} s); both files verified "
                   f"({lq_row['verdict']}).\n\n" + _report.table(

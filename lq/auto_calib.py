@@ -308,8 +308,7 @@ def metric_info(metric) -> dict:
 
 
 def _can_hold_alternative(q) -> bool:
-    cal = q.calibrator
-    return getattr(cal, "_tracks_samples", False) and cal._sample_count is not None and q.axis is None
+    return getattr(q.calibrator, "holds_sample_maxima", False) and q.axis is None
 
 
 def _holds_alternative(q, result: AutoResult) -> bool:

@@ -425,7 +425,9 @@ def _calibrate(model, batches, method, weight_method, method_overrides, num_batc
     if blocks:  # moves weights (AWQ's scaling, GPTQ's rounding): before the correction, which measures the outputs
         result.block_choices = _block_search.search_block_scales(model, block_method, batches, forward, num_batches)
     if bias_correction:
-        judge = result.auto.judged_by if result.auto is not None else "r2"
+        # per-sample ranges clip by design, so output R2 cannot judge what follows them: a classifier's top-1 can
+        top1 = "sample_mean" in methods.values() or (result.auto is not None and result.auto.judged_by == "top1")
+        judge = "top1" if top1 else "r2"
         result.bias_correction = correct_biases(model, check, forward, process_group=process_group, judge=judge)
     return result
 

@@ -136,3 +136,13 @@ def test_outputs_that_are_not_class_scores_are_not_judged_by_top1(classifier):
     quantize_model(q, sample=_digits()[0][:8])
     a = calibrate_model(q, _calibration(corrupted=True), progress=False).auto
     assert a.agreement is None and a.alternative is None and a.judged_by == "r2"
+
+
+def test_a_correction_forced_on_behind_named_per_sample_ranges_is_judged_by_top1(classifier):
+    q = _quantized(classifier)
+    res = calibrate_model(q, _calibration(corrupted=True), method="sample_mean", bias_correction=True, progress=False)
+    assert res.auto is None and res.bias_correction.judge == "top1"
+    s = _Scores(copy.deepcopy(classifier))  # no class scores: top-1 means nothing there, R2 judges
+    quantize_model(s, sample=_digits()[0][:8])
+    res = calibrate_model(s, _calibration(corrupted=True), method="sample_mean", bias_correction=True, progress=False)
+    assert res.bias_correction.judge == "r2"

@@ -24,6 +24,9 @@ CNN_ROWS = [
     "INT8 PTQ percentile 99.99",
     "INT8 PTQ percentile 99.999",
     "INT8 PTQ mse",
+    "default PTQ file (onnxruntime): lq",
+    "default PTQ file (onnxruntime): quantize_static",
+    "default PTQ file (onnxruntime): NNCF",
     "INT8 QAT (QuantCallback)",
     "INT8 QAT + distillation (QuantCallback)",
     "INT8 QAT -> ONNX (onnxruntime)",
@@ -88,7 +91,12 @@ def test_accuracy_fast(runs):
         assert best >= fp - 0.05, (name, best, fp)
         onnx = r["rows"]["INT8 QAT -> ONNX (onnxruntime)"]
         assert onnx["agreement"] >= 0.98, onnx
+        # each tool's default post-training file, run in onnxruntime: lq's no worse than FP32 allows
+        files = {k: v["acc"] for k, v in r["rows"].items() if k.startswith("default PTQ file")}
+        assert None not in files.values(), r["rows"]
+        assert files["default PTQ file (onnxruntime): lq"] >= fp - 0.05, files
     md = (out / "acc" / "accuracy.md").read_text()
+    assert "lq's default PTQ file >= NNCF's default file - 0.3 point (onnxruntime)" in md
     for row in CNN_ROWS:
         assert f"| {row} |" in md
     assert "## Targets" in md and "## Run" in md and "Command: `python -m bench.accuracy --fast" in md

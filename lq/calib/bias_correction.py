@@ -259,13 +259,16 @@ def _corrected_pass(model, sites: list[_Site], batch, forward, process_group) ->
 def _judge(model, sites: list[_Site], batches: Sequence, forward, result, process_group, judge: str) -> None:
     """On the judging ``batches``: keep a site's correction only where it lowers that layer's squared mean error,
     then keep the corrections at all only where the model's output is closer to float with them (by ``judge``,
-    a :func:`fidelity_metric` kind: output R2, or top-1 agreement where ``auto`` chose a classifier's ranges by
-    it)."""
+    a :func:`fidelity_metric` kind: output R2, or ``"top1"``, agreement in top-1 where the output is a classifier's
+    class scores and output R2 where it is not)."""
     fp_means: list = []
     result.judge = judge
     try:
         with _measuring([s.layer for s in sites], fp_means, process_group):
             metric = fidelity_metric(model, batches, forward=forward, kind=judge)
+        if judge == "top1" and not metric.info.get("class_scores"):  # agreement in top-1 means nothing there
+            result.judge = "r2"
+            metric = fidelity_metric(model, batches, forward=forward, kind="r2", reference=metric.reference)
     except Exception:  # noqa: BLE001 - an output with nothing per sample to compare: the per-layer verdict alone
         # (an error of the model itself comes back from the float pass below)
         metric = None
@@ -377,7 +380,8 @@ def correct_biases(model: nn.Module, batches: Sequence, forward: Callable[[nn.Mo
     quantization causes: estimated on the even ``batches`` stacked into one, judged on the odd ones (see the
     module docstring); earlier shifts are replaced. Returns what was done. Every rank of a process group must
     call it, with batches. ``judge``: how the model's output is compared with float's to keep the corrections at
-    all (a :func:`fidelity_metric` kind; ``auto``'s :attr:`lq.auto_calib.AutoResult.judged_by`)."""
+    all (a :func:`fidelity_metric` kind: ``"top1"`` behind per-sample ranges, whose clipping output R2 cannot
+    judge, where the output is class scores; see :func:`_judge`)."""
     result = BiasCorrectionResult()
     candidates = _candidates(model)
     if not candidates or not batches:

@@ -247,6 +247,11 @@ class HistogramCalibrator(_Calibrator):
     def _tracks_samples(self) -> bool:
         return "_sample_count" in self._state_specs
 
+    @property
+    def holds_sample_maxima(self) -> bool:
+        """Whether ``compute_amax("sample_mean")`` can answer: the per-sample maxima were tracked and collected."""
+        return self._tracks_samples and self._sample_count is not None
+
     def _refuse_per_channel(self) -> None:
         if self._axis is not None:
             raise ValueError("calibration method 'sample_mean' is per tensor: this calibrator keeps one amax per "
