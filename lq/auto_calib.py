@@ -242,6 +242,10 @@ def choose(model: nn.Module, quantizers: list, methods: Mapping[str, str], batch
             setattr(q, NOTE_ATTR, None)
     members = group_members(model, grp)
     moving = [q for qs in members.values() for q in qs]
+    # auto quantizers outside the quantized layers (a residual add's, a pool's): max until a classifier's
+    # alternative moves them too
+    others = [q for n, q in quantizers if n in auto and all(q is not m for m in moving)]
+    moving += others
     memo: dict = {}
 
     def state(m):
@@ -291,10 +295,13 @@ def choose(model: nn.Module, quantizers: list, methods: Mapping[str, str], batch
             result.methods = {g: "max" for g in chosen}
     classifier = int(bool(check) and bool(metric_info(metric).get("class_scores")))
     if _summed([classifier], process_group)[0]:  # every rank alike (one without check batches adds no rows)
-        _classifier_alternative(model, members, result, check, forward, state, memo, known, process_group)
+        _classifier_alternative(model, members, others, result, check, forward, state, memo, known, process_group)
     for g, qs in members.items():
         for q in qs:
             setattr(q, CHOICE_ATTR, result.methods[g] if not _holds_alternative(q, result) else result.alternative)
+    for q in others:
+        if _holds_alternative(q, result):
+            setattr(q, CHOICE_ATTR, result.alternative)
     for n, q in quantizers:
         if n in auto:
             setattr(q, NOTE_ATTR, str(result))  # the summary table's caption
@@ -315,20 +322,28 @@ def _holds_alternative(q, result: AutoResult) -> bool:
     return result.alternative is not None and _can_hold_alternative(q)
 
 
-def _classifier_alternative(model, members, result: AutoResult, check, forward, state, memo, known,
+def _classifier_alternative(model, members, others, result: AutoResult, check, forward, state, memo, known,
                             process_group) -> None:
-    """Try :data:`CLASSIFIER_ALTERNATIVE` on every member quantizer that holds it against the model as it stands
-    (the choice, or max after a fall-back), by top-1 agreement with float on the ``check`` rows; keep it where
-    the paired test says it agrees more often and it agrees at least as often as max everywhere."""
-    movable = [q for qs in members.values() for q in qs if _can_hold_alternative(q)]
+    """Try :data:`CLASSIFIER_ALTERNATIVE` on every ``auto`` quantizer that holds it (the quantized layers' inputs in
+    ``members`` and the ``others``, which stay at max otherwise: one range rule for every grid, as NNCF's) against
+    the model as it stands (the choice, or max after a fall-back), by top-1 agreement with float on the ``check``
+    rows; keep it where the paired test says it agrees more often and it agrees at least as often as max
+    everywhere."""
+    movable = [q for qs in [*members.values(), others] for q in qs if _can_hold_alternative(q)]
     if not movable:
         return
+
+    def restore():
+        _load(members, result.methods)
+        for q in others:
+            q.load_calib_amax("max")
+
     top1 = fidelity_metric(model, check, forward=forward, kind="top1", state=state, memo=memo,
                            reference=[known.get(id(b)) for b in check])
     chosen = agreement_rows(top1, model, check, state, memo)
     _load(members, {g: "max" for g in members})
     at_max = agreement_rows(top1, model, check, state, memo)
-    _load(members, result.methods)
+    restore()
     for q in movable:
         q.load_calib_amax(CLASSIFIER_ALTERNATIVE)
     alt = agreement_rows(top1, model, check, state, memo)
@@ -340,7 +355,7 @@ def _classifier_alternative(model, members, result: AutoResult, check, forward, 
     if result.p_value < SIGNIFICANCE and agree_a >= agree_m:
         result.alternative = CLASSIFIER_ALTERNATIVE
     else:
-        _load(members, result.methods)
+        restore()
 
 
 def _summed(values: list[int], process_group=None) -> list[int]:

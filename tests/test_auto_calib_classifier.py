@@ -146,3 +146,37 @@ def test_a_correction_forced_on_behind_named_per_sample_ranges_is_judged_by_top1
     quantize_model(s, sample=_digits()[0][:8])
     res = calibrate_model(s, _calibration(corrupted=True), method="sample_mean", bias_correction=True, progress=False)
     assert res.bias_correction.judge == "r2"
+
+
+class _Residual(nn.Module):
+    """A classifier with a residual add: the add's operands get quantizers of their own (glue), outside the
+    quantized layers the per-role search moves."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.fc1, self.fc2, self.head = model[0], nn.Linear(64, 64), model[2]
+        with torch.no_grad():
+            self.fc2.weight.mul_(0.1)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        return self.head(h + self.fc2(h))
+
+
+def test_the_alternative_moves_every_auto_quantizer_as_the_named_method_does(classifier):
+    batches = _calibration(corrupted=True)
+    torch.manual_seed(3)
+    model = _Residual(copy.deepcopy(classifier)).eval()
+    auto, named = copy.deepcopy(model), copy.deepcopy(model)
+    for m in (auto, named):
+        quantize_model(m, sample=_digits()[0][:8])
+    a = calibrate_model(auto, batches, progress=False, bias_correction=False).auto
+    calibrate_model(named, batches, method="sample_mean", progress=False)
+    assert a.alternative == "sample_mean"
+    qa = {n: m for n, m in auto.named_modules() if hasattr(m, "amax") and m.amax is not None and n}
+    qn = dict(named.named_modules())
+    assert any("lq_glue" in n for n in qa), sorted(qa)  # the add's quantizers are there to move
+    for n, q in qa.items():
+        assert torch.equal(q.amax, qn[n].amax), n
+        if "weight" not in n.rsplit(".", 1)[-1]:
+            assert getattr(q, auto_calib.CHOICE_ATTR) == "sample_mean", n
