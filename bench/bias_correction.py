@@ -14,11 +14,13 @@ was further from float with them).
 
 Then a second table: EfficientNetV2-S at full size (:class:`bench.library.EfficientNetV2S`, 20M parameters) trained
 as a user might train it briefly: torchvision's initialisation, Adam at a constant 2e-3, batches of 32, 3 epochs
-on 4,000 digits (FP32 near 64%: the weak model where quantization costs the most). Its ONNX files in
-onnxruntime on the 1,000 held-out digits: FP32 (the legacy export), onnxruntime's ``quantize_static``, NNCF's
-``nncf.quantize`` with its defaults (ONNX backend), lq's default path (``auto`` calibration, bias correction as
-the default decides) and the same without the correction, all on the same 256 calibration images; the
-targets: lq >= NNCF - 0.3 point, and lq within 2 points of FP32 where ``quantize_static`` loses more than 10.
+on 4,000 digits, twice (:data:`WEAK_TRAININGS`: the recipe is unstable, 20-90% FP32 by seed; seed 2 is one where
+``quantize_static`` loses more than 10 points). Its ONNX files in onnxruntime on the 1,000 held-out digits: FP32
+(the legacy export), onnxruntime's ``quantize_static``, NNCF's ``nncf.quantize`` with its defaults (ONNX backend),
+lq's default path (``auto`` calibration, bias correction as the default decides) and the same without the
+correction, all on the same 256 calibration images: accuracy, and top-1 agreement with the FP32 file (on a weak
+model a file can gain accuracy by departing from FP32). The targets: lq >= NNCF - 0.3 point, lq agreeing with
+FP32 at least as often as NNCF, and lq within 2 points of FP32 where ``quantize_static`` loses more than 10.
 
 ``--fast``: the O-Net shape only, 512 training images, 256 test images, and the V2-S's first two stages trained
 for one epoch on 512 (a smoke run of the code: a model that little trained says nothing about the correction).
@@ -115,10 +117,10 @@ def torchvision_init(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def train_briefly(model: torch.nn.Module, x, y, epochs: int, lr: float = 2e-3) -> torch.nn.Module:
+def train_briefly(model: torch.nn.Module, x, y, epochs: int, lr: float = 2e-3, seed: int = 0) -> torch.nn.Module:
     """Adam at a constant ``lr``, seeded batches of 32: a first training run, no schedule."""
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(epochs):
         for idx in torch.randperm(len(x), generator=g).split(32):
@@ -153,29 +155,46 @@ def _lq_file(model, batches, path: str, **calib) -> dict:
                                             "p_value": a.p_value}}
 
 
-def run_weak_v2(fast: bool, d: str) -> dict:
-    """The second table's row (see the module docstring)."""
+#: the trainings of the second table: (seed, epochs). Seed 0 is the first try of the recipe; seed 2 the one
+#: where quantize_static loses more than 10 points (FP32 barely above chance: the weakest model a user could bring)
+WEAK_TRAININGS = ((0, 3), (2, 3))
+
+
+def run_weak_v2(fast: bool, d: str, seed: int = 0, epochs: int = 3) -> dict:
+    """One row of the second table (see the module docstring): the files' accuracy and their top-1 agreement
+    with the FP32 file on the held-out digits."""
     import os
 
     from bench.onnx_export import nncf_quantize, ort_quantize_static
+    from lq.export.verify._verify import make_session
 
     torch.manual_seed(0)
     xtr, ytr, xte, yte = L.dataset("32", fast)
+    if seed:
+        torch.manual_seed(seed)  # seed 0 continues the data's generator, as the first version of this bench did
     spec = L.Spec("EfficientNetV2-S", L.EfficientNetV2S, "32", 3)
     model = torchvision_init(L.EfficientNetV2S(**({"stages": 2} if fast else {})))
+    epochs = 1 if fast else epochs
     t = time.perf_counter()
-    train_briefly(model, xtr, ytr, 1 if fast else 3)
-    row: dict = {"train_s": time.perf_counter() - t, "train_images": len(xtr), "acc": {}, "files": {}}
+    train_briefly(model, xtr, ytr, epochs, seed=seed)
+    row: dict = {"seed": seed, "epochs": epochs, "train_s": time.perf_counter() - t, "train_images": len(xtr),
+                 "acc": {}, "agreement": {}, "files": {}}
     batches = list(xtr[:256].split(32))
-    paths = {k: os.path.join(d, f"{k}.onnx") for k in ("fp32", "qs", "nncf", "lq", "lq_off")}
+    paths = {k: os.path.join(d, f"{k}.onnx") for k in WEAK_COLUMNS}
     L.export_fp32(model, paths["fp32"], xtr[:1], ["output"], "legacy")
     ort_quantize_static(paths["fp32"], paths["qs"], batches)
     nncf_quantize(paths["fp32"], paths["nncf"], batches)
     row["files"]["lq"] = _lq_file(model, batches, paths["lq"])
     row["files"]["lq_off"] = _lq_file(model, batches, paths["lq_off"], bias_correction=False)
+    preds = {}
     for k, p in paths.items():
-        row["acc"][k] = L.ort_quality(spec, p, xte, yte)
-    _report.log("  EfficientNetV2-S weak: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in row["acc"].items()))
+        sess = make_session(p, intra_op_num_threads=1)
+        name = sess.get_inputs()[0].name
+        preds[k] = torch.cat([torch.from_numpy(sess.run(None, {name: c.numpy()})[0]).argmax(1) for c in xte.split(250)])
+        row["acc"][k] = float((preds[k] == yte).double().mean())
+        row["agreement"][k] = float((preds[k] == preds["fp32"]).double().mean())
+    _report.log(f"  EfficientNetV2-S weak (seed {seed}): " + ", ".join(
+        f"{k} {100 * v:.1f}% (agrees {100 * row['agreement'][k]:.1f}%)" for k, v in row["acc"].items()))
     return row
 
 
@@ -184,22 +203,25 @@ WEAK_COLUMNS = {"fp32": "FP32", "qs": "quantize_static", "nncf": "NNCF default",
 
 
 def weak_targets(row: dict) -> list[tuple[str, str, bool]]:
-    a = row["acc"]
-    out = [("lq default >= NNCF default - 0.3 point", f"{100 * a['lq']:.1f}% vs {100 * a['nncf']:.1f}%",
-            a["lq"] >= a["nncf"] - 0.003)]
+    a, g = row["acc"], row["agreement"]
+    which = f"training {row.get('seed', 0)}"
+    out = [(f"{which}: lq default >= NNCF default - 0.3 point", f"{100 * a['lq']:.1f}% vs {100 * a['nncf']:.1f}%",
+            a["lq"] >= a["nncf"] - 0.003),
+           (f"{which}: lq default agrees with FP32 at least as often as NNCF default",
+            f"{100 * g['lq']:.1f}% vs {100 * g['nncf']:.1f}%", g["lq"] >= g["nncf"])]
     if a["fp32"] - a["qs"] > 0.10:
-        out.append(("lq default within 2 points of FP32 (quantize_static loses > 10)",
+        out.append((f"{which}: lq default within 2 points of FP32 (quantize_static loses > 10)",
                     f"{100 * a['lq']:.1f}% vs {100 * a['fp32']:.1f}%", a["lq"] >= a["fp32"] - 0.02))
     return out
 
 
-def _auto_line(a: dict | None) -> str:
+def _auto_line(a: dict | None, seed: int = 0) -> str:
     """What ``auto`` decided for the classifier: its choice against the per-sample ranges, by top-1 agreement."""
     if not a or a.get("agreement") is None:
         return ""
     c, alt, m = (f"{100 * v:.1f}%" for v in a["agreement"])
     took = "took the per-sample ranges" if a["alternative"] else "kept its choice"
-    return (f"\n\nlq's `auto`: top-1 agreement with FP32 on the 256 calibration images {c} with its R2 choice, {alt} "
+    return (f"\n\nSeed {seed}, lq's `auto`: top-1 agreement with FP32 on the 256 calibration images {c} with its R2 choice, {alt} "
             f"with the per-sample ranges (`sample_mean`), {m} with max; paired p = {a['p_value']:.2g}: {took}.")
 
 
@@ -231,28 +253,34 @@ def main(argv=None) -> int:
     intro = (f"Produced by `bench/bias_correction.py` (CPU: {_report.cpu_isa()}). Accuracy of the fake-quant model "
              "on held-out digits with `calibrate_model(bias_correction=False / True)`; logits error = squared error "
              "against FP32's logits over their variance. See the module docstring for the setup.")
-    weak = None
+    weak = []
     if args.weak:
-        _report.log("EfficientNetV2-S at full size, trained briefly ...")
-        with tempfile.TemporaryDirectory() as d:
-            weak = run_weak_v2(args.fast, d)
-        a = weak["acc"]
+        trainings = WEAK_TRAININGS[:1] if args.fast else WEAK_TRAININGS
+        for seed, epochs in trainings:
+            _report.log(f"EfficientNetV2-S at full size, trained briefly (seed {seed}) ...")
+            with tempfile.TemporaryDirectory() as d:
+                weak.append(run_weak_v2(args.fast, d, seed, epochs))
         table += ("\n\n## EfficientNetV2-S (full size, 20M parameters), trained briefly: files in onnxruntime\n\n"
-                  f"Trained {weak['train_s']:.0f} s on {weak['train_images']} digits (see the module docstring); "
-                  "accuracy on the held-out digits of each ONNX file in onnxruntime.\n\n")
-        table += _report.table(list(WEAK_COLUMNS.values()), [[f"{100 * a[k]:.1f}%" for k in WEAK_COLUMNS]],
-                               "r" * len(WEAK_COLUMNS))
-        lq_row = weak["files"]["lq"]
-        table += _auto_line(lq_row.get("auto"))
-        table += (f"\n\nlq default: {lq_row['kept']} layers corrected, calibration {lq_row['calib_s']:.1f} s "
-                  f"(without the correction {weak['files']['lq_off']['calib_s']:.1f} s); both files verified "
-                  f"({lq_row['verdict']}).\n\n" + _report.table(
-                      ["target", "measured", "met"],
-                      [(t, m, "yes" if ok else "**no**") for t, m, ok in weak_targets(weak)], "llc"))
+                  f"Each training: {weak[0]['train_images']} digits, seeds and epochs as the first column says (see the "
+                  "module docstring); accuracy on the held-out digits of each ONNX file in onnxruntime, and in "
+                  "brackets how often its top-1 class agrees with the FP32 file's.\n\n")
+        table += _report.table(["training", *WEAK_COLUMNS.values()],
+                               [[f"seed {w['seed']}, {w['epochs']} epochs ({w['train_s']:.0f} s)",
+                                 *(f"{100 * w['acc'][k]:.1f}% ({100 * w['agreement'][k]:.1f}%)" for k in WEAK_COLUMNS)]
+                                for w in weak], "l" + "r" * len(WEAK_COLUMNS))
+        for w in weak:
+            lq_row = w["files"]["lq"]
+            table += _auto_line(lq_row.get("auto"), w["seed"])
+            table += (f"\n\nSeed {w['seed']}, lq default: {lq_row['kept']} layers corrected, calibration "
+                      f"{lq_row['calib_s']:.1f} s (without the correction {w['files']['lq_off']['calib_s']:.1f} s); "
+                      f"both files verified ({lq_row['verdict']}).")
+        table += "\n\n" + _report.table(["target", "measured", "met"],
+                                          [(t, m, "yes" if ok else "**no**") for w in weak for t, m, ok in weak_targets(w)],
+                                          "llc")
     _report.finish_run(out, "bias_correction", {"rows": rows, "weak_v2": weak, "fast": args.fast},
                             "Bias correction", intro, table, cmd, time.perf_counter() - t0)
-    if weak is not None:
-        _report.print_targets(weak_targets(weak), None, time.perf_counter() - t0)
+    if weak:
+        _report.print_targets([t for w in weak for t in weak_targets(w)], None, time.perf_counter() - t0)
     return 0
 
 

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from lq import auto_calib
+from lq.calib._fidelity import output_rows
+from lq.calib._forward import default_forward
 from lq.calibration import calibrate_model
 from lq.convert import quantize_model
 
@@ -180,3 +182,30 @@ def test_the_alternative_moves_every_auto_quantizer_as_the_named_method_does(cla
         assert torch.equal(q.amax, qn[n].amax), n
         if "weight" not in n.rsplit(".", 1)[-1]:
             assert getattr(q, auto_calib.CHOICE_ATTR) == "sample_mean", n
+
+
+def test_max_replaces_a_choice_that_agrees_significantly_less_often(classifier, monkeypatch):
+    """The same judge for max everywhere: a choice (and per-sample ranges) that clip nearly everything, against max."""
+    batches = _calibration(corrupted=False)
+    q = _quantized(classifier)
+    calibrate_model(q, batches, progress=False, bias_correction=False)
+    names = [n for n, m in q.named_modules() if n.endswith("_input_quantizer")]
+    members = auto_calib.group_members(q, auto_calib.groups(q, names))
+    moving = [m for qs in members.values() for m in qs]
+    monkeypatch.setattr(auto_calib, "PERCENTILE", 5.0)  # a "choice" clipping at the 5th percentile ...
+    for m in moving:  # ... and per-sample ranges a twentieth of what the samples reached
+        m.calibrator._sample_absmax_sum = m.calibrator._sample_absmax_sum / 20
+    result = auto_calib.AutoResult({g: "percentile" for g in members}, {g: "percentile" for g in members})
+    auto_calib._load(members, result.methods)
+    with torch.no_grad():
+        known = {id(b): output_rows(classifier(b), b) for b in batches}
+    auto_calib._classifier_alternative(q, members, [], result, batches, default_forward,
+                                       lambda m: auto_calib._amax_key(moving), {}, known, None)
+    at_max = _quantized(classifier)
+    calibrate_model(at_max, batches, method="max", progress=False)
+    assert result.alternative == "max" and set(result.methods.values()) == {"max"}
+    assert result.agreement[2] > result.agreement[0] and result.p_value < auto_calib.SIGNIFICANCE
+    assert result.agreement[2] == pytest.approx(float(_agreement(at_max, classifier, batches).double().mean()))
+    for m in moving:  # the model holds max's ranges
+        name = next(n for n, x in q.named_modules() if x is m)
+        assert torch.equal(m.amax, dict(at_max.named_modules())[name].amax), name
