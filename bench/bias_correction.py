@@ -220,7 +220,7 @@ def _auto_line(a: dict | None, seed: int = 0) -> str:
     if not a or a.get("agreement") is None:
         return ""
     c, alt, m = (f"{100 * v:.1f}%" for v in a["agreement"])
-    took = "took the per-sample ranges" if a["alternative"] else "kept its choice"
+    took = {"sample_mean": "took the per-sample ranges", "max": "took max"}.get(a["alternative"], "kept its choice")
     return (f"\n\nSeed {seed}, lq's `auto`: top-1 agreement with FP32 on the 256 calibration images {c} with its R2 choice, {alt} "
             f"with the per-sample ranges (`sample_mean`), {m} with max; paired p = {a['p_value']:.2g}: {took}.")
 
