@@ -217,6 +217,15 @@ def run_cnn(name: str, fast: bool, out: Path, log) -> dict:
     return res
 
 
+def _ort_predict(path: str, x: torch.Tensor) -> np.ndarray:
+    """The file's top-1 class for every row of ``x``, in onnxruntime's CPU provider on one thread."""
+    from lq.export.verify._verify import make_session
+
+    sess = make_session(path, intra_op_num_threads=1)
+    inp = sess.get_inputs()[0].name
+    return np.concatenate([sess.run(None, {inp: x[i : i + 256].numpy()})[0].argmax(1) for i in range(0, len(x), 256)])
+
+
 #: the rows of the files made by each tool's default post-training path (run in onnxruntime)
 LQ_DEFAULT_ROW = "default PTQ file (onnxruntime): lq"
 PEER_ROWS = {"qs": "default PTQ file (onnxruntime): quantize_static", "nncf": "default PTQ file (onnxruntime): NNCF"}
@@ -230,7 +239,6 @@ def _default_ptq_files(fp32, calib_batches, x, y, log, name) -> dict:
     from lq.calibration import calibrate_model
     from lq.convert import quantize_model
     from lq.export import export_onnx
-    from lq.export.verify._verify import make_session
 
     inputs = [b[0] for b in calib_batches]
     rows: dict = {}
@@ -249,13 +257,9 @@ def _default_ptq_files(fp32, calib_batches, x, y, log, name) -> dict:
                 rows[PEER_ROWS[k]] = {"acc": None, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
                 paths.pop(k)
         for k, p in paths.items():
-            if k == "fp32":
-                continue
-            sess = make_session(p, intra_op_num_threads=1)
-            inp = sess.get_inputs()[0].name
-            pred = np.concatenate([sess.run(None, {inp: x[i : i + 256].numpy()})[0].argmax(1)
-                                   for i in range(0, len(x), 256)])
-            rows[LQ_DEFAULT_ROW if k == "lq" else PEER_ROWS[k]] = {"acc": float((pred == y.numpy()).mean())}
+            if k != "fp32":
+                acc = float((_ort_predict(p, x) == y.numpy()).mean())
+                rows[LQ_DEFAULT_ROW if k == "lq" else PEER_ROWS[k]] = {"acc": acc}
     log(f"  {name}: default PTQ files in onnxruntime: " + ", ".join(
         f"{k.split(': ')[-1]} {_pct(v['acc'])}" for k, v in rows.items()))
     return rows
@@ -279,20 +283,13 @@ def _changed_predictions(fp32, qat, x, y) -> dict:
 def _onnx_row(qat, fp32, x, y, log, name) -> dict:
     row: dict = {"acc": None}
     try:
-        import onnxruntime as ort
-
         from lq.export import export_onnx
 
         with tempfile.TemporaryDirectory() as d:
             p8 = os.path.join(d, "int8.onnx")
             # the quantized model's own file (no measured fallback): this bench measures quantization accuracy
             r = export_onnx(qat, x[:8], p8, fallback_seconds=0)
-            so = ort.SessionOptions()
-            so.intra_op_num_threads = 1
-            sess = ort.InferenceSession(p8, so, providers=["CPUExecutionProvider"])
-            inp = sess.get_inputs()[0].name
-            pred = np.concatenate([sess.run(None, {inp: x[i : i + 256].numpy()})[0].argmax(1)
-                                   for i in range(0, len(x), 256)])
+            pred = _ort_predict(p8, x)
             pt = _predict(qat, x).numpy()
             row = {
                 "acc": float((pred == y.numpy()).mean()),

@@ -221,8 +221,9 @@ def _auto_line(a: dict | None, seed: int = 0) -> str:
         return ""
     c, alt, m = (f"{100 * v:.1f}%" for v in a["agreement"])
     took = {"sample_mean": "took the per-sample ranges", "max": "took max"}.get(a["alternative"], "kept its choice")
-    return (f"\n\nSeed {seed}, lq's `auto`: top-1 agreement with FP32 on the 256 calibration images {c} with its R2 choice, {alt} "
-            f"with the per-sample ranges (`sample_mean`), {m} with max; paired p = {a['p_value']:.2g}: {took}.")
+    return (f"\n\nSeed {seed}, lq's `auto`: top-1 agreement with FP32 on the 256 calibration images {c} with its R2 "
+            f"choice, {alt} with the per-sample ranges (`sample_mean`), {m} with max; paired p = {a['p_value']:.2g}: "
+            f"{took}.")
 
 
 def _kept(k: dict) -> str:
@@ -261,8 +262,8 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory() as d:
                 weak.append(run_weak_v2(args.fast, d, seed, epochs))
         table += ("\n\n## EfficientNetV2-S (full size, 20M parameters), trained briefly: files in onnxruntime\n\n"
-                  f"Each training: {weak[0]['train_images']} digits, seeds and epochs as the first column says (see the "
-                  "module docstring); accuracy on the held-out digits of each ONNX file in onnxruntime, and in "
+                  f"Each training: {weak[0]['train_images']} digits, seeds and epochs as the first column says (see "
+                  "the module docstring); accuracy on the held-out digits of each ONNX file in onnxruntime, and in "
                   "brackets how often its top-1 class agrees with the FP32 file's.\n\n")
         table += _report.table(["training", *WEAK_COLUMNS.values()],
                                [[f"seed {w['seed']}, {w['epochs']} epochs ({w['train_s']:.0f} s)",
@@ -274,9 +275,8 @@ def main(argv=None) -> int:
             table += (f"\n\nSeed {w['seed']}, lq default: {lq_row['kept']} layers corrected, calibration "
                       f"{lq_row['calib_s']:.1f} s (without the correction {w['files']['lq_off']['calib_s']:.1f} s); "
                       f"both files verified ({lq_row['verdict']}).")
-        table += "\n\n" + _report.table(["target", "measured", "met"],
-                                          [(t, m, "yes" if ok else "**no**") for w in weak for t, m, ok in weak_targets(w)],
-                                          "llc")
+        verdicts = [(t, m, "yes" if ok else "**no**") for w in weak for t, m, ok in weak_targets(w)]
+        table += "\n\n" + _report.table(["target", "measured", "met"], verdicts, "llc")
     _report.finish_run(out, "bias_correction", {"rows": rows, "weak_v2": weak, "fast": args.fast},
                             "Bias correction", intro, table, cmd, time.perf_counter() - t0)
     if weak:

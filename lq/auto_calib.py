@@ -64,6 +64,7 @@ import torch
 from torch import nn
 
 from lq import progress as lq_progress
+from lq.calib.calibrator import summed_over_ranks
 from lq.calib._fidelity import (_glob_escape, agreement_rows, calibration_method_search, fidelity_metric, group_members,
                                 quantized_layers)
 
@@ -126,8 +127,9 @@ class AutoResult:
 
     @property
     def judged_by(self) -> str:
-        """What the model's final ranges were judged by: :data:`TOP1_NAME` where the alternative replaced the
-        choice, else :data:`METRIC` (``"r2"``); a later step that must not undo the choice judges the same way."""
+        """The :func:`lq.calib._fidelity.fidelity_metric` kind the final ranges were judged by: ``"top1"`` where
+        an alternative replaced the choice, else :data:`METRIC`; a later step that must not undo the choice judges
+        the same way."""
         return "top1" if self.alternative else METRIC
 
     @property
@@ -296,7 +298,7 @@ def choose(model: nn.Module, quantizers: list, methods: Mapping[str, str], batch
             result.fell_back = True
             result.methods = {g: "max" for g in chosen}
     classifier = int(bool(check) and bool(metric_info(metric).get("class_scores")))
-    if _summed([classifier], process_group)[0]:  # every rank alike (one without check batches adds no rows)
+    if summed_over_ranks([classifier], process_group)[0]:  # every rank alike (one without check batches adds no rows)
         _classifier_alternative(model, members, others, result, check, forward, state, memo, known, process_group)
     for g, qs in members.items():
         for q in qs:
@@ -317,7 +319,7 @@ def metric_info(metric) -> dict:
 
 
 def _can_hold_alternative(q) -> bool:
-    return getattr(q.calibrator, "holds_sample_maxima", False) and q.axis is None
+    return getattr(q.calibrator, "holds_sample_maxima", False)  # tracked only per tensor
 
 
 def _holds_alternative(q, result: AutoResult) -> bool:
@@ -348,7 +350,7 @@ def _classifier_alternative(model, members, others, result: AutoResult, check, f
     for q in movable:
         q.load_calib_amax(CLASSIFIER_ALTERNATIVE)
     alt = agreement_rows(top1, model, check, state, memo)
-    n, agree_c, agree_a, agree_m, a_better, a_worse, m_better, m_worse = _summed(
+    n, agree_c, agree_a, agree_m, a_better, a_worse, m_better, m_worse = summed_over_ranks(
         [chosen.numel(), int(chosen.sum()), int(alt.sum()), int(at_max.sum()),
          int((alt & ~chosen).sum()), int((chosen & ~alt).sum()),
          int((at_max & ~chosen).sum()), int((chosen & ~at_max).sum())], process_group)
@@ -365,17 +367,6 @@ def _classifier_alternative(model, members, others, result: AutoResult, check, f
             result.alternative = "max"
             result.methods = {g: "max" for g in result.methods}
     restore()
-
-
-def _summed(values: list[int], process_group=None) -> list[int]:
-    """``values`` summed over the ranks (themselves without torch.distributed)."""
-    if not _distributed():
-        return values
-    from lq.calib.calibrator import _comm_device
-
-    t = torch.tensor(values, dtype=torch.int64, device=_comm_device(None, process_group))
-    torch.distributed.all_reduce(t, group=process_group)
-    return [int(v) for v in t.tolist()]
 
 
 def mcnemar_p(better: int, worse: int) -> float:

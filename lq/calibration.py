@@ -243,13 +243,9 @@ def _wraps_batches(progress) -> bool:
 
 def global_count(n: int, process_group=None) -> int:
     """``n`` summed over the processes of ``process_group`` (``n`` itself without torch.distributed)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return n
-    from lq.calib.calibrator import _comm_device
+    from lq.calib.calibrator import summed_over_ranks
 
-    t = torch.tensor([n], dtype=torch.int64, device=_comm_device(None, process_group))
-    torch.distributed.all_reduce(t, group=process_group)
-    return int(t.item())
+    return summed_over_ranks([n], process_group)[0]
 
 
 def sync(quantizers: list[tuple[str, TensorQuantizer]], process_group=None) -> None:

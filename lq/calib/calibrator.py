@@ -334,6 +334,16 @@ def _comm_device(t: torch.Tensor | None, process_group) -> torch.device:
     return torch.device("cpu")
 
 
+def summed_over_ranks(values: list[int], process_group=None) -> list[int]:
+    """Integer counts summed over the processes of ``process_group`` (themselves without torch.distributed): what
+    every rank needs to take the same decision from counts each rank made on its own batches."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64, device=_comm_device(None, process_group))
+    torch.distributed.all_reduce(t, group=process_group)
+    return [int(v) for v in t.tolist()]
+
+
 def _sync_tensor(value, fx: str, process_group):
     """all_reduce a tensor-or-None state; ranks holding None contribute the identity of ``fx``."""
     dist = torch.distributed
