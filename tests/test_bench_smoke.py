@@ -286,6 +286,24 @@ def test_openvino_fast(bench_runs):
     assert "(CPU: " in md and "Command: `python -m bench.openvino --fast" in md and "NNCF" in md
 
 
+def test_openvino_targets_compare_with_an_nncf_file_that_computes_the_model():
+    """NNCF's default file at 9.7% (a wrong int8 kernel in the plugin) is no peer: the targets take its mixed-preset
+    file, which kept the FP32 accuracy; where the default kept it, the default."""
+    from bench import openvino as B
+
+    def row(default_acc):
+        speed = {B.LQ_OV: {"median": 1.5}, B.NNCF: {"median": 2.5}, B.NNCF_MIXED: {"median": 0.9}}
+        return {"model": "m (x)", "metric": "accuracy", "speedup": {"1": speed, "8": speed},
+                "quality": {"FP32 (current exporter)": 0.972, B.LQ_OV: 0.972, B.NNCF: default_acc, B.NNCF_MIXED: 0.973},
+                "quality_no_vnni": {B.LQ_OV: 0.972}}
+
+    broken, fine = row(0.097), row(0.970)
+    assert B.peer(broken) == B.NNCF_MIXED and B.peer(fine) == B.NNCF
+    assert [t[2] for t in B.targets([broken])] == [True, True, True, True]
+    assert "mixed-preset" in B.targets([broken])[0][0] and "9.7%" in B.targets([broken])[0][0]
+    assert [t[2] for t in B.targets([fine])] == [False, False, True, True]  # 1.5x against the default's 2.5x
+
+
 def _minilm_row(default_cos: float, rr_cos: float, dyn_cos: float, rr_speed: float, qs_speed: float) -> dict:
     from bench import ordinary as O
 

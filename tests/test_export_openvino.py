@@ -392,3 +392,56 @@ def test_a_plugin_capped_below_vnni_needs_no_second_run(monkeypatch):
     with open("/proc/cpuinfo") as f:
         vnni = any(k in f.read().split() for k in ("avx512_vnni", "avx_vnni", "amx_int8"))
     assert _no_vnni.needed() == vnni
+
+
+class PooledBlocks(nn.Module):
+    """CREPE's block (conv -> ReLU -> BatchNorm -> max pool -> dropout) twice, then a conv whose input is the pool's
+    output: the max pool's input quantizer and the next conv's are one grid or two."""
+
+    def __init__(self):
+        super().__init__()
+
+        def block(i, o):
+            return nn.Sequential(nn.Conv1d(i, o, 5, padding=2), nn.ReLU(), nn.BatchNorm1d(o), nn.MaxPool1d(2),
+                                 nn.Dropout(0.25))
+
+        self.layers = nn.Sequential(block(1, 32), block(32, 32), block(32, 32))
+        self.head = nn.Linear(32 * 8, 10)
+
+    def forward(self, x):
+        return self.head(self.layers(x).flatten(1))
+
+
+def _runtime_layer_types(path: str) -> list[str]:
+    core = ov.Core()
+    cm = core.compile_model(path, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 1})
+    return [op.get_rt_info()["layerType"].astype(str) for op in cm.get_runtime_model().get_ordered_ops()]
+
+
+def test_a_max_pool_and_the_layer_reading_it_share_one_grid(tmp_path):
+    """Two grids around a max pool run in OpenVINO as a separate FakeQuantize (and layout reorders) between the pool
+    and the conv: CREPE's file spent 114 of 555 us there at batch 8. One grid: the pool runs on the integers the
+    conv reads."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 1, 64, generator=torch.Generator().manual_seed(3))
+    counts = {}
+    for shared in (True, False):
+        m = PooledBlocks().eval()
+        lq.quantize_model(m, target="openvino", sample=x[:2], shared_inputs=shared)
+        lq.calibrate_model(m, list(x.split(32)))
+        pools = [m.layers[i][3] for i in range(3)]
+        readers = [m.layers[1][0], m.layers[2][0], m.head]
+        assert [p._input_quantizer is r._input_quantizer for p, r in zip(pools, readers)] == [shared] * 3
+        if not shared:  # calibrated apart (auto picks a method per quantizer): two grids
+            for r in readers:
+                r._input_quantizer.amax = r._input_quantizer.amax * 1.1
+        res = export_onnx(m, x[:32], str(tmp_path / f"pooled_{shared}.onnx"), target="openvino", progress=False,
+                          speed_check=False)
+        types = _runtime_layer_types(res.path)
+        counts[shared] = types.count("FakeQuantize")
+        with torch.no_grad():  # independent reference: the fake-quant model in PyTorch, judged on OpenVINO's output
+            want = m(x[:32]).numpy()
+        got = _openvino.compile_model(res.path)(x[:32].numpy())
+        assert res.judge([np.asarray(list(got.values())[0])], [want]) == ""
+    # tied: only the model input's FakeQuantize (each block's is fused into its conv); apart, one after each pool
+    assert counts[True] == 1 and counts[False] > counts[True], counts
