@@ -445,3 +445,41 @@ def test_a_max_pool_and_the_layer_reading_it_share_one_grid(tmp_path):
         assert res.judge([np.asarray(list(got.values())[0])], [want]) == ""
     # tied: only the model input's FakeQuantize (each block's is fused into its conv); apart, one after each pool
     assert counts[True] == 1 and counts[False] > counts[True], counts
+
+
+class FlattenHead(nn.Module):
+    """O-Net's tail: conv -> PReLU, flattened into a Linear -> PReLU -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3)
+        self.act = nn.PReLU(16)
+        self.dense = nn.Linear(16 * 6 * 6, 32)
+        self.act2 = nn.PReLU(32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.act2(self.dense(self.act(self.conv(x)).flatten(1))))
+
+
+def test_the_linear_s_quantizer_moves_before_the_flatten_and_fuses_into_the_conv(tmp_path):
+    """A FakeQuantize after a float Reshape ran as a layer of its own in OpenVINO; before it, the plugin fuses it
+    into the conv and PReLU (lq.export.passes._reshape_after_dq). Checked in the file, in OpenVINO's compiled
+    graph (only the model input's FakeQuantize is left), and against the fake-quant model in PyTorch."""
+    torch.manual_seed(0)
+    m = FlattenHead().eval()
+    x = torch.randn(64, 3, 8, 8, generator=torch.Generator().manual_seed(4))
+    lq.quantize_model(m, target="openvino", sample=x[:2])
+    lq.calibrate_model(m, list(x.split(32)), method="max")
+    res = export_onnx(m, x[:32], str(tmp_path / "f.onnx"), target="openvino", progress=False, speed_check=False)
+    saved = onnx.load(res.path)
+    made_by = {o: n for n in saved.graph.node for o in n.output}
+    dense_q = next(n for n in saved.graph.node if n.op_type == "QuantizeLinear" and "dense" in n.input[1])
+    assert made_by[dense_q.input[0]].op_type == "PRelu"
+    reshape = next(n for n in saved.graph.node if n.op_type in ("Reshape", "Flatten"))
+    assert made_by[reshape.input[0]].op_type == "DequantizeLinear"
+    assert _runtime_layer_types(res.path).count("FakeQuantize") == 1
+    with torch.no_grad():
+        want = m(x[:32]).numpy()
+    got = _openvino.compile_model(res.path)(x[:32].numpy())
+    assert res.judge([np.asarray(list(got.values())[0])], [want]) == ""

@@ -18,14 +18,15 @@ import onnx
 from lq.config import ExportConfig
 from lq.export._ir import Graph, value_shapes
 from lq.export.passes import (_channel_affine, _dynamic_lstm, _float_convs, _fold_bn, _fold_constants, _gelu_order, _int16,
-                              _linear_gemm, _loops, _lower, _matmul_nbits, _mean_first, _placement, _pool_first, _silu,
-                              _swap_last_axes, _upsample, _weight_layout)
+                              _linear_gemm, _loops, _lower, _matmul_nbits, _mean_first, _placement, _pool_first,
+                              _reshape_after_dq, _silu, _swap_last_axes, _upsample, _weight_layout)
 
 ORT = ("onnxruntime",)
 #: the passes every target runs (standard ONNX in, standard ONNX out)
 ALL = ("onnxruntime", "tensorrt", "openvino")
 #: onnxruntime's fused DynamicQuantizeLSTM is a com.microsoft op: not for OpenVINO, which reads standard ONNX
 NOT_OPENVINO = ("onnxruntime", "tensorrt")
+OPENVINO = ("openvino",)
 
 
 @dataclasses.dataclass
@@ -83,6 +84,7 @@ GRAPH_PASSES: tuple[Pass, ...] = (
     Pass("dedupe_quantizers", lambda g, r: _placement.dedupe_quantizers(g)),
     Pass("encode_int16_safe", lambda g, r: r.u8_weights.extend(_int16.encode_int16_safe(g)), ORT),
     Pass("weights_to_qdq", lambda g, r: _weight_layout.weights_to_qdq(g), when=lambda cfg: cfg.resolved_weight_format() == "qdq"),
+    Pass("reshapes_after_dequantize", lambda g, r: _reshape_after_dq.reshapes_after_dequantize(g), OPENVINO),
     Pass("loop_bodies", lambda g, r: _loops.rewrite_bodies(g, lambda body: run_graph_passes(body, r))),
 )
 
