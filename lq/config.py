@@ -166,7 +166,10 @@ class QuantConfig:
             one grid, one QuantizeLinear in the file, which the runtime fuses into the layer producing the
             tensor. On in :class:`Int8OpenvinoConfig` (two grids around a pool ran in OpenVINO as a separate
             FakeQuantize with layout reorders: a fifth of CREPE's time at batch 8); the onnxruntime recipe gets it
-            from ``glue`` with ``activations``.
+            from ``glue`` with ``activations``. Also the layers reading one tensor through max pools, nearest
+            upsampling and ``torch.cat`` (a U-Net's skip, pooled into the next stage and concatenated for the
+            decoder: the concat's members and readers take one grid, as NNCF's unified scales do), which the
+            OpenVINO export then quantizes once, at the producer, the pool and the concat on the integers.
         recurrent: how ``nn.LSTM`` layers quantize their activations: ``"scan"`` (their input quantizers,
             calibrated; exported as an ONNX Scan loop, any runtime) or ``"dynamic"`` (onnxruntime's fused
             ``DynamicQuantizeLSTM``: each layer's input and every step's h quantized from themselves, the

@@ -575,13 +575,14 @@ def quantize_model(
     glue_plans, glue_outputs, glue_notes = [], [], []
     pool_pairs: list = []
     sibling_pairs: list = []
+    tensor_groups: list = []  # layers reading one tensor through pools and concats (lq.glue._tensor_ties)
     region = None  # what stays float at the model's input (lq.glue._float_region), onnxruntime recipe only
     region_names: list[str] = []  # the quantizers it leaves out (input quantizers of its modules, output ones)
     argument_pairs: list = []
     unsigned: set[str] = set()
     if glue or unsigned_after_relu or shared_inputs:
         from lq import glue as _glue
-        from lq.glue import _argument_ties, _pool_grid, _sibling_ties
+        from lq.glue import _argument_ties, _pool_grid, _sibling_ties, _tensor_ties
 
         graphs: dict = {}
         will_be_quantized = lambda m: isinstance(m, QuantMixin) or id(m) in targets  # noqa: E731
@@ -607,8 +608,11 @@ def quantize_model(
             region_names += [o.path for o in glue_outputs if region.writes_float(o.layer)]
             glue_outputs = [o for o in glue_outputs if not region.writes_float(o.layer)]
         if (glue and activations) or shared_inputs:  # one tensor on one grid: a max pool's output and its reader,
-            pool_pairs = _pool_grid.whole_pool_readers(_glue.whole_graph(model, captured), will_be_quantized) \
-                if captured is not None else _pool_grid.pool_readers(model, graphs, will_be_quantized)
+            whole = _glue.whole_graph(model, captured) if captured is not None else None
+            pool_pairs = _pool_grid.whole_pool_readers(whole, will_be_quantized) \
+                if whole is not None else _pool_grid.pool_readers(model, graphs, will_be_quantized)
+            if shared_inputs and whole is not None:  # and, for OpenVINO, through max pools and concats
+                tensor_groups = _tensor_ties.tensor_groups(whole, will_be_quantized)
             # and the layers reading one tensor (lq.glue._sibling_ties)
             sibling_pairs = _sibling_ties.sibling_readers(model, graphs, will_be_quantized)
         if not glue:
@@ -719,6 +723,8 @@ def quantize_model(
         layers[t.row] = LayerSummary.of(t.name, t.new, "quantized")
     if region_names:  # checkpoints of an lq that quantized them still load
         model.register_load_state_dict_pre_hook(_float_region.OldQuantizerKeys(region_names))
+    if tensor_groups:  # before the pools take their readers' quantizers
+        _tensor_ties.share(tensor_groups, converted)
     if pool_pairs:
         _pool_grid.share(pool_pairs, converted)
     if sibling_pairs:

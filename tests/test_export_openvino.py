@@ -16,6 +16,7 @@ import pytest
 import torch
 from onnx import numpy_helper
 from _limits import HANG_GUARD_S
+import torch.nn.functional as F
 from torch import nn
 
 import lq
@@ -464,7 +465,7 @@ class FlattenHead(nn.Module):
 
 def test_the_linear_s_quantizer_moves_before_the_flatten_and_fuses_into_the_conv(tmp_path):
     """A FakeQuantize after a float Reshape ran as a layer of its own in OpenVINO; before it, the plugin fuses it
-    into the conv and PReLU (lq.export.passes._reshape_after_dq). Checked in the file, in OpenVINO's compiled
+    into the conv and PReLU (lq.export.passes._quantize_first). Checked in the file, in OpenVINO's compiled
     graph (only the model input's FakeQuantize is left), and against the fake-quant model in PyTorch."""
     torch.manual_seed(0)
     m = FlattenHead().eval()
@@ -483,3 +484,61 @@ def test_the_linear_s_quantizer_moves_before_the_flatten_and_fuses_into_the_conv
         want = m(x[:32]).numpy()
     got = _openvino.compile_model(res.path)(x[:32].numpy())
     assert res.judge([np.asarray(list(got.values())[0])], [want]) == ""
+
+
+class SkipUNet(nn.Module):
+    """A U-Net's skip, written as library code writes it: the encoder map is max-pooled (``F.max_pool2d``) into the
+    next stage and concatenated (``torch.cat``) with the nearest-upsampled deeper map for a decoder conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc1 = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU())
+        self.enc2 = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU())
+        self.dec = nn.Sequential(nn.Conv2d(24, 8, 1), nn.ReLU())
+        self.head = nn.Conv2d(8, 1, 1)
+
+    def forward(self, x):
+        e1 = self.enc1(x)
+        e2 = self.enc2(F.max_pool2d(e1, 2))
+        return self.head(self.dec(torch.cat([F.interpolate(e2, scale_factor=2, mode="nearest"), e1], 1)))
+
+
+def test_a_skip_tensor_pooled_and_concatenated_is_quantized_once_at_its_producer(tmp_path, monkeypatch):
+    """The skip tensor's two readers (the pooled stage's conv, the decoder conv after the concat) share one quantizer
+    (lq.glue._tensor_ties), and the file quantizes it once, in front of the pool and the concat
+    (lq.export.passes._quantize_first): OpenVINO fuses that FakeQuantize into the conv writing the skip and runs the
+    pool and the concat on the integers. Apart, FakeQuantize layers of their own run on the branches. Checked in
+    the file, in OpenVINO's compiled graph and against the fake-quant model in PyTorch."""
+    from lq.glue import _tensor_ties
+
+    x = torch.randn(64, 1, 16, 16, generator=torch.Generator().manual_seed(5))
+    counts = {}
+    for tied in (True, False):
+        if not tied:
+            monkeypatch.setattr(_tensor_ties, "tensor_groups", lambda *a, **k: [])
+        torch.manual_seed(0)
+        m = SkipUNet().eval()
+        lq.quantize_model(m, target="openvino", sample=x[:2])
+        assert (m.enc2[0]._input_quantizer is m.dec[0]._input_quantizer) is tied
+        lq.calibrate_model(m, list(x.split(32)), method="max")
+        if not tied:  # calibrated apart (auto picks a method per quantizer): two grids
+            m.dec[0]._input_quantizer.amax = m.dec[0]._input_quantizer.amax * 1.1
+        res = export_onnx(m, x[:32], str(tmp_path / f"unet_{tied}.onnx"), target="openvino", progress=False,
+                          speed_check=False)
+        saved = onnx.load(res.path)
+        made_by = {o: n for n in saved.graph.node for o in n.output}
+        if tied:
+            for n in saved.graph.node:
+                if n.op_type in ("MaxPool", "Concat", "Resize"):
+                    assert {made_by[i].op_type for i in n.input[:1] if n.op_type != "Concat"} <= {"DequantizeLinear"}
+                    assert n.op_type != "Concat" or {made_by[i].op_type for i in n.input} == {"Resize",
+                                                                                              "DequantizeLinear"}
+            dq = made_by[next(n for n in saved.graph.node if n.op_type == "MaxPool").input[0]]
+            enc1_out = made_by[dq.input[0]].input[0]  # the ReLU's output, which only one QuantizeLinear reads
+            assert [n.op_type for n in saved.graph.node if enc1_out in n.input] == ["QuantizeLinear"]
+        counts[tied] = _runtime_layer_types(res.path).count("FakeQuantize")
+        with torch.no_grad():
+            want = m(x[:32]).numpy()
+        got = _openvino.compile_model(res.path)(x[:32].numpy())
+        assert res.judge([np.asarray(list(got.values())[0])], [want]) == ""
+    assert counts[True] == 1 and counts[False] > counts[True], counts

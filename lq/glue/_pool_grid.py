@@ -58,7 +58,7 @@ def whole_pool_readers(whole, will_be_quantized) -> list[tuple[nn.Module, nn.Mod
     between DQ and Q."""
     out = []
     for mid, graph in whole.graphs.items():
-        parent = _module(whole, mid)
+        parent = whole.module(mid)
         if parent is None:
             continue
         for n in graph.nodes:
@@ -70,13 +70,6 @@ def whole_pool_readers(whole, will_be_quantized) -> list[tuple[nn.Module, nn.Mod
                 if layer is not None:
                     out.append((pool, layer))
     return out
-
-
-def _module(whole, mid: int):
-    for _, m in whole.root.named_modules():
-        if id(m) == mid:
-            return m
-    return None
 
 
 def _first_layer(whole, module: nn.Module, node, will_be_quantized, seen: set):

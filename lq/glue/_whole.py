@@ -22,7 +22,7 @@ class WholeGraph:
         self.root = model
         self.graphs = graphs
         self.callers: dict[int, list[tuple[nn.Module, fx.Node]]] = {}
-        modules = {id(m): m for _, m in model.named_modules()}
+        self._modules = modules = {id(m): m for _, m in model.named_modules()}
         for mid, graph in graphs.items():
             parent = modules.get(mid)
             if parent is None:
@@ -34,6 +34,10 @@ class WholeGraph:
                     except AttributeError:
                         continue
                     self.callers.setdefault(id(child), []).append((parent, n))
+
+    def module(self, mid: int) -> nn.Module | None:
+        """The module of the model whose id is ``mid`` (the keys of :attr:`graphs`); None when it is not one."""
+        return self._modules.get(mid)
 
     def inputs(self, module: nn.Module) -> list[fx.Node]:
         """The placeholders of ``module``'s captured forward (none when it has none)."""

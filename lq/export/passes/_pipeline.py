@@ -19,7 +19,7 @@ from lq.config import ExportConfig
 from lq.export._ir import Graph, value_shapes
 from lq.export.passes import (_channel_affine, _dynamic_lstm, _float_convs, _fold_bn, _fold_constants, _gelu_order, _int16,
                               _linear_gemm, _loops, _lower, _matmul_nbits, _mean_first, _placement, _pool_first,
-                              _reshape_after_dq, _silu, _swap_last_axes, _upsample, _weight_layout)
+                              _quantize_first, _silu, _swap_last_axes, _upsample, _weight_layout)
 
 ORT = ("onnxruntime",)
 #: the passes every target runs (standard ONNX in, standard ONNX out)
@@ -81,10 +81,11 @@ GRAPH_PASSES: tuple[Pass, ...] = (
     Pass("float_weights_for_float_convs", lambda g, r: _float_convs.float_weights_for_float_convs(g), ORT),
     Pass("linears_as_gemm", lambda g, r: _linear_gemm.linears_as_gemm(g), ORT),
     Pass("quantize_bias", lambda g, r: _placement.quantize_bias(g), ORT),
+    # quantizers in front of reshapes, pools, concats and nearest upsamples, on the producer (before the dedupe)
+    Pass("quantizers_first", lambda g, r: _quantize_first.quantizers_first(g), OPENVINO),
     Pass("dedupe_quantizers", lambda g, r: _placement.dedupe_quantizers(g)),
     Pass("encode_int16_safe", lambda g, r: r.u8_weights.extend(_int16.encode_int16_safe(g)), ORT),
     Pass("weights_to_qdq", lambda g, r: _weight_layout.weights_to_qdq(g), when=lambda cfg: cfg.resolved_weight_format() == "qdq"),
-    Pass("reshapes_after_dequantize", lambda g, r: _reshape_after_dq.reshapes_after_dequantize(g), OPENVINO),
     Pass("loop_bodies", lambda g, r: _loops.rewrite_bodies(g, lambda body: run_graph_passes(body, r))),
 )
 
