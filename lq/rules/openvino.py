@@ -4,9 +4,11 @@ OpenVINO reads a Q/DQ file as FakeQuantize ops and moves them itself: into the c
 them (an ``i8``/``u8`` kernel in its compiled graph, ``python -m bench.openvino`` reports which), across max
 pools and data movement, and as post-ops into the layer before them. Its zero points cost: a non-zero activation
 zero point ran a third to half slower than zero (depthwise convs most; ``bench.openvino``), so the recipe
-(:class:`lq.config.Int8OpenvinoConfig`) is symmetric. The export places no Q/DQ beyond the model's own
-quantizers for it (the plugin does the placement), so the table documents what it runs and is read for
-``commutes``/``produces``. Kernel names are the compiled graph's layer types.
+(:class:`lq.config.Int8OpenvinoConfig`) is symmetric. The export adds no Q/DQ beyond the model's own
+quantizers for it; it only moves a per-tensor pair in front of the data movement, nearest Resize, Concat and
+MaxPool it reads (:mod:`lq.export.passes._quantize_first`), so that the plugin fuses it into the producer and
+runs the op on the integers, as it does with NNCF's files. The table documents what the plugin runs and is
+read for ``commutes``/``produces``. Kernel names are the compiled graph's layer types.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ RULES: tuple[OpRule, ...] = (
     OpRule("gemm", ("Gemm",), produces=True, kernels=("FullyConnected",)),
     OpRule("matmul", ("MatMul",), produces=True, kernels=("FullyConnected", "MatMul")),
     OpRule("add", ("Add",), produces=True, note="float, or fused as a post-op into the layer before it"),
-    OpRule("concat", ("Concat",), produces=True, note="on the integers when its inputs share one grid"),
+    OpRule("concat", ("Concat",), produces=True,
+           note="on the integers when its inputs share one grid (lq.glue._tensor_ties gives them one)"),
     OpRule("average_pool", ("GlobalAveragePool", "AveragePool"), produces=True,
            note="float: a quantizer on its input ran as a separate FakeQuantize (bench.openvino)"),
     OpRule("relu", ("Relu",), note="fused into the producer"),
