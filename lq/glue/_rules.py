@@ -86,6 +86,19 @@ TIE_THROUGH_FUNCTIONS = MAX_POOL_FUNCTIONS | {torch.flatten, torch.nn.functional
 TIE_THROUGH_METHODS = {"flatten", "view", "reshape", "contiguous"}
 
 
+def upsamples_nearest(node, parent) -> bool:
+    """A nearest upsampling (``F.interpolate``/``F.upsample`` with ``mode="nearest"``, ``F.upsample_nearest``,
+    ``nn.Upsample(mode="nearest")``): it repeats existing values, so it keeps their grid (other modes average)."""
+    if node.op == "call_function" and node.target in (torch.nn.functional.interpolate, torch.nn.functional.upsample):
+        return node.kwargs.get("mode", node.args[3] if len(node.args) > 3 else "nearest") == "nearest"
+    if node.op == "call_function":
+        return node.target is torch.nn.functional.upsample_nearest
+    if node.op == "call_module":
+        m = parent.get_submodule(node.target)
+        return isinstance(m, torch.nn.Upsample) and m.mode == "nearest"
+    return False
+
+
 def pads_with_zeros(node) -> bool:
     """``F.pad(x, pad)`` in constant mode with the value 0, as the ZeroPad modules pad: grid-preserving."""
     if node.op != "call_function" or node.target is not torch.nn.functional.pad:

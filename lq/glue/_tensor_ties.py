@@ -19,13 +19,9 @@ per-tensor grid. onnxruntime's recipe quantizes each concat input itself (:mod:`
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import nn
 
-from lq.glue._rules import CAT, FUNCTIONS, TIED_LAYERS, ties_through
-
-#: nearest upsampling picks existing values: grid-preserving (its other modes average)
-_UPSAMPLES = {F.interpolate, F.upsample, F.upsample_nearest}
+from lq.glue._rules import CAT, FUNCTIONS, TIED_LAYERS, ties_through, upsamples_nearest
 
 
 def tensor_groups(whole, will_be_quantized) -> list[list[nn.Module]]:
@@ -82,14 +78,7 @@ def _passes_grid(node, module: nn.Module, position: int) -> bool:
     a nearest upsampling's input, or any member of a ``torch.cat``."""
     if _is_cat(node):
         return True
-    if position != 0:
-        return False
-    if node.op == "call_function" and node.target in _UPSAMPLES:
-        mode = node.kwargs.get("mode", node.args[3] if len(node.args) > 3 else "nearest")
-        return node.target is F.upsample_nearest or mode == "nearest"
-    if node.op == "call_module" and isinstance(module.get_submodule(node.target), nn.Upsample):
-        return module.get_submodule(node.target).mode == "nearest"
-    return ties_through(node, module)
+    return position == 0 and (upsamples_nearest(node, module) or ties_through(node, module))
 
 
 def _readers(whole, module: nn.Module, node, will_be_quantized, memo: dict) -> list[nn.Module]:
