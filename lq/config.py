@@ -34,11 +34,13 @@ WEIGHT_FORMATS = ("int8", "qdq")
 #: files an export path must not overwrite: what a user trained
 CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
 RECURRENT_MODES = ("scan", "dynamic")
-#: the layers :class:`Int8OpenvinoConfig` quantizes: those with weights, whose inputs OpenVINO runs on int8, and max
-#: pools (OpenVINO pools the integers and moves the quantizer across); average pools, norms and lq's explicit add/cat
-#: modules stay float there: their quantizers ran as separate FakeQuantizes, which cost more than they saved
+#: the layers :class:`Int8OpenvinoConfig` quantizes: those with weights, whose inputs OpenVINO runs on int8, max
+#: pools (OpenVINO pools the integers and moves the quantizer across) and a squeeze-excite's pool (its input is
+#: also the product's: :mod:`lq.glue._join_ties`; other average pools stay float); norms and lq's explicit
+#: add/cat modules stay float there: their quantizers ran as separate FakeQuantizes, which cost more than they saved
 OPENVINO_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
-                  "MaxPool1d", "MaxPool2d", "MaxPool3d", "LSTM", "LSTMCell", "MultiheadAttention")
+                  "MaxPool1d", "MaxPool2d", "MaxPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d",
+                  "LSTM", "LSTMCell", "MultiheadAttention")
 
 
 def _choice(owner: str, name: str, value, allowed) -> None:
@@ -169,7 +171,9 @@ class QuantConfig:
             from ``glue`` with ``activations``. Also the layers reading one tensor through max pools, nearest
             upsampling and ``torch.cat`` (a U-Net's skip, pooled into the next stage and concatenated for the
             decoder: the concat's members and readers take one grid, as NNCF's unified scales do), which the
-            OpenVINO export then quantizes once, at the producer, the pool and the concat on the integers.
+            OpenVINO export then quantizes once, at the producer, the pool and the concat on the integers. Without
+            ``glue``, a residual ``x + f(x)`` and a squeeze-excite ``gate(pool(x)) * x`` read ``x`` through the
+            quantizer of the layer (or pool) that also reads it, and only that operand is quantized.
         recurrent: how ``nn.LSTM`` layers quantize their activations: ``"scan"`` (their input quantizers,
             calibrated; exported as an ONNX Scan loop, any runtime) or ``"dynamic"`` (onnxruntime's fused
             ``DynamicQuantizeLSTM``: each layer's input and every step's h quantized from themselves, the
@@ -300,8 +304,10 @@ class Int8OpenvinoConfig(QuantConfig):
     activation is symmetric; a ReLU's output quantizes on ``[0, 255]`` (``unsigned_after_relu``), the rest on
     ``[-128, 127]`` (``narrow_range=False``: QuantizeLinear's own range, no clamping op). Only the layers' inputs
     and weights are quantized, and max pools' inputs (``glue=False``, :data:`OPENVINO_TYPES`): a quantizer on a
-    tensor that a float op also reads (a residual add's operand, a pooled squeeze-excite input) runs as a separate
-    FakeQuantize, which costs more than the integer op saves.
+    tensor that a float op also reads runs as a separate FakeQuantize, which costs more than the integer op saves.
+    So a residual add's operand and a squeeze-excite product's input, which a layer (or the block's pool) also
+    reads, are read through that layer's quantizer (``shared_inputs``: :mod:`lq.glue._join_ties`): the tensor is
+    quantized once and the FakeQuantize fuses into the op that writes it, as in NNCF's files.
     Weights on 7 bits (``|q| <= 63``), stored as int8: on a CPU without VNNI (AVX2, and AVX-512 before Cascade
     Lake) OpenVINO's int8 convolutions and matmuls add pairs of u8 x s8 products in a saturating int16, as
     onnxruntime's do; with 8-bit weights a conv of 16 channels came out 49% off there (OpenVINO 2026.4 with

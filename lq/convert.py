@@ -582,7 +582,7 @@ def quantize_model(
     unsigned: set[str] = set()
     if glue or unsigned_after_relu or shared_inputs:
         from lq import glue as _glue
-        from lq.glue import _argument_ties, _pool_grid, _sibling_ties, _tensor_ties
+        from lq.glue import _argument_ties, _pool_grid, _sibling_ties, _join_ties, _tensor_ties
 
         graphs: dict = {}
         will_be_quantized = lambda m: isinstance(m, QuantMixin) or id(m) in targets  # noqa: E731
@@ -596,8 +596,16 @@ def quantize_model(
         glue_plans, glue_outputs, glue_already, glue_notes = _glue.plan(
             model, selected=lambda n: _matches(n, include) and not _matches(n, exclude),
             skip=will_be_quantized, will_be_quantized=will_be_quantized, graphs=graphs,
-            optional=_glue.ACTIVATIONS if activations else frozenset(), captured=captured)
+            optional=(_glue.ACTIVATIONS if activations else frozenset()) | (
+                {"mul"} if shared_inputs and not glue else frozenset()), captured=captured)
         glue_notes = capture_notes + glue_notes
+        if not glue:  # but, for OpenVINO, a join reads a layer's input on its grid (lq.glue._join_ties)
+            glue_plans = _join_ties.tied_joins(glue_plans) if shared_inputs else []
+            read = _join_ties.pool_modules(glue_plans)
+            for t in [t for t in targets.values() if isinstance(t.module, _join_ties.AVG_POOLS)
+                      and id(t.module) not in read and shared_inputs]:
+                del targets[id(t.module)]
+                layers[t.row] = None  # not a layer the recipe quantizes: no row
         if activations:  # the float stem and what reads it in float (lq.glue._float_region)
             region = _float_region.float_region(model, graphs, glue_plans if glue else [], will_be_quantized,
                                                 _glue._outputs.pooled_stems(model, graphs))
@@ -616,14 +624,14 @@ def quantize_model(
             # and the layers reading one tensor (lq.glue._sibling_ties)
             sibling_pairs = _sibling_ties.sibling_readers(model, graphs, will_be_quantized)
         if not glue:
-            glue_plans, glue_outputs, glue_already, glue_notes = [], [], [], []
+            glue_outputs, glue_already, glue_notes = [], [], []
         # a child's join operand and the caller's layer reading the same tensor: one grid (lq.glue._argument_ties)
         argument_pairs = _argument_ties.argument_readers(model, graphs, glue_plans, will_be_quantized)
         if unsigned_after_relu:
             unsigned = _glue.unsigned_inputs(model, graphs, glue_plans, will_be_quantized)
+    glue_plans = [p for p in glue_plans if not any(_matches(q, exclude) for q in p.quantizer_paths())]
+    glue_outputs = [o for o in glue_outputs if not _matches(o.path, exclude)]
     if glue:
-        glue_plans = [p for p in glue_plans if not any(_matches(q, exclude) for q in p.quantizer_paths())]
-        glue_outputs = [o for o in glue_outputs if not _matches(o.path, exclude)]
         for name, m in model.named_modules():
             if isinstance(m, QuantMixin) and _glue._outputs.has_output_quantizer(m):
                 path = f"{name}.{_glue._outputs.ATTR}"
@@ -746,7 +754,7 @@ def quantize_model(
             if isinstance(m, nn.TransformerEncoder) and getattr(m, "use_nested_tensor", False):
                 m.use_nested_tensor = False
                 notes.append(f"{name or 'model'}: nested-tensor fast path turned off (it would bypass the quantizers)")
-    return QuantizationSummary(layers, notes)
+    return QuantizationSummary([row for row in layers if row is not None], notes)
 
 
 def _call_args(sample) -> tuple[tuple, dict]:

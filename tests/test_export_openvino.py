@@ -542,3 +542,170 @@ def test_a_skip_tensor_pooled_and_concatenated_is_quantized_once_at_its_producer
         got = _openvino.compile_model(res.path)(x[:32].numpy())
         assert res.judge([np.asarray(list(got.values())[0])], [want]) == ""
     assert counts[True] == 1 and counts[False] > counts[True], counts
+
+
+class SqueezeExciteFunction(nn.Module):
+    """A squeeze-excite block: the input is pooled (``F.adaptive_avg_pool2d``), squeezed, gated, and scaled."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.fc1 = nn.Conv2d(c, 8, 1)
+        self.fc2 = nn.Conv2d(8, c, 1)
+
+    def forward(self, x):
+        return torch.sigmoid(self.fc2(F.silu(self.fc1(F.adaptive_avg_pool2d(x, 1))))) * x
+
+
+class SqueezeExciteModule(SqueezeExciteFunction):
+    """The same block with its pool as a module and the product written the other way round."""
+
+    def __init__(self, c: int):
+        super().__init__(c)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.fc2(F.silu(self.fc1(self.pool(x)))))
+
+
+class SqueezeExciteMean(SqueezeExciteFunction):
+    """The same block with the pool as a spatial mean (timm's style) and the gate as a tensor method."""
+
+    def forward(self, x):
+        return x * self.fc2(F.silu(self.fc1(x.mean((2, 3), keepdim=True)))).sigmoid()
+
+
+class ExciteNet(nn.Module):
+    """EfficientNet's MBConv without the residual: 1x1 expansion, depthwise conv, SiLU, squeeze-excite, 1x1
+    projection; the head's pool a module too (no product reads it)."""
+
+    def __init__(self, se):
+        super().__init__()
+        self.pw = nn.Conv2d(3, 32, 1)
+        self.dw = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.se = se(32)
+        self.proj = nn.Conv2d(32, 16, 1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.se(F.silu(self.dw(F.silu(self.pw(x)))))
+        return self.head(self.pool(self.proj(x)).flatten(1))
+
+
+def _excite_file(tmp_path, se, shared: bool, x):
+    """``(readers of the pool's input, FakeQuantize layers OpenVINO runs, the file's op types)`` of the OpenVINO
+    export of ``ExciteNet(se)``, whose output in OpenVINO is judged against the fake-quant model in PyTorch."""
+    torch.manual_seed(0)
+    m = ExciteNet(se).eval()
+    lq.quantize_model(m, target="openvino", sample=x[:2], shared_inputs=shared)
+    lq.calibrate_model(m, list(x.split(32)), method="max")
+    if shared:  # the head's pool: no product reads its input, so it stays float
+        assert type(m.pool) is nn.AdaptiveAvgPool2d
+    res = export_onnx(m, x[:32], str(tmp_path / f"se_{se.__name__}_{shared}.onnx"), target="openvino",
+                      progress=False, speed_check=False)
+    graph = onnx.load(res.path).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    pools = [n for n in graph.node if n.op_type in ("GlobalAveragePool", "ReduceMean")]
+    first = pools[0].input[0]  # the block's pool (the head's comes last)
+    readers = sorted(n.op_type for n in graph.node if first in n.input) if producer[first].op_type == \
+        "DequantizeLinear" else []
+    with torch.no_grad():
+        want = m(x[:32]).numpy()
+    got = _openvino.compile_model(res.path)(x[:32].numpy())
+    assert res.judge([np.asarray(list(got.values())[0])], [want]) == ""
+    return readers, _runtime_layer_types(res.path).count("FakeQuantize"), [n.op_type for n in graph.node]
+
+
+def test_a_squeeze_excite_input_is_quantized_once_for_its_pool_and_its_product(tmp_path):
+    """OpenVINO ran a squeeze-excite block's pool and product on the float output of the depthwise conv before
+    it; quantized once for both (the product's operand on the pool's grid: lq.glue._join_ties), the plugin
+    fuses the FakeQuantize into that conv. Checked in the file (pool and product read one DequantizeLinear; the
+    same nodes whichever way the block is written), in OpenVINO's compiled graph (no FakeQuantize left but the
+    model input's), and against the fake-quant model in PyTorch."""
+    x = torch.randn(64, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    files = {}
+    for se in (SqueezeExciteModule, SqueezeExciteFunction, SqueezeExciteMean):
+        readers, fakes, files[se] = _excite_file(tmp_path, se, True, x)
+        assert (readers, fakes) == (["GlobalAveragePool", "Mul"], 1), (se.__name__, readers, fakes)
+    assert len({tuple(v) for v in files.values()}) == 1, "the three styles gave different files"
+    # without the tie the module pool quantizes its input alone: a FakeQuantize of its own, the product float
+    readers, fakes, _ = _excite_file(tmp_path, SqueezeExciteModule, False, x)
+    assert readers == ["GlobalAveragePool"] and fakes > 1, (readers, fakes)
+
+
+class ResidualBody(nn.Module):
+    """An inverted residual's body: 1x1 expansion, depthwise conv, 1x1 projection (SiLU between)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(16, 32, 1), nn.SiLU(), nn.Conv2d(32, 32, 3, padding=1, groups=32),
+                                  nn.SiLU(), nn.Conv2d(32, 16, 1))
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+class ResidualNet(nn.Module):
+    """A conv stem, two residual blocks (``x + body(x)`` inside the block, or ``torch.add`` in this forward), a 1x1
+    head conv, a mean and a Linear."""
+
+    def __init__(self, inline: bool):
+        super().__init__()
+        self.inline = inline
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.blocks = nn.ModuleList([ResidualBody(), ResidualBody()])
+        self.head = nn.Conv2d(16, 24, 1)
+        self.fc = nn.Linear(24, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for b in self.blocks:
+            x = torch.add(b.body(x), x) if self.inline else b(x)
+        return self.fc(F.relu(self.head(x)).mean((2, 3)))
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_residual_input_is_read_by_its_add_through_the_block_s_first_conv_quantizer(tmp_path, inline):
+    """A block's input ``x`` is read by its first conv (quantized) and by the ``+`` at its end: with the add reading a
+    float copy, OpenVINO ran that conv's FakeQuantize as a layer of its own; reading ``x`` through the conv's input
+    quantizer (lq.glue._join_ties), the FakeQuantize fuses into the conv that writes ``x``, as in NNCF's files.
+    Checked in the file (the add reads the DequantizeLinear the conv reads), in OpenVINO's compiled graph, and
+    against the fake-quant model in PyTorch."""
+    x = torch.randn(64, 3, 12, 12, generator=torch.Generator().manual_seed(1))
+    fakes = {}
+    for shared in (True, False):
+        torch.manual_seed(0)
+        m = ResidualNet(inline).eval()
+        lq.quantize_model(m, target="openvino", sample=x[:2], shared_inputs=shared)
+        lq.calibrate_model(m, list(x.split(32)), method="max")
+        res = export_onnx(m, x[:32], str(tmp_path / f"res_{shared}.onnx"), target="openvino", progress=False,
+                          speed_check=False)
+        graph = onnx.load(res.path).graph
+        producer = {o: n for n in graph.node for o in n.output}
+        adds = [n for n in graph.node if n.op_type == "Add"]
+        read_dq = [any(producer[i].op_type == "DequantizeLinear" and any(
+            c.op_type == "Conv" and i in c.input for c in graph.node) for i in n.input) for n in adds]
+        assert read_dq == [shared, shared], read_dq
+        with torch.no_grad():
+            want = m(x[:32]).numpy()
+        got = _openvino.compile_model(res.path)(x[:32].numpy())
+        assert res.judge([np.asarray(list(got.values())[0])], [want]) == ""
+        fakes[shared] = _runtime_layer_types(res.path).count("FakeQuantize")
+    assert fakes[True] == 1 and fakes[False] > 1, fakes
+
+
+def test_a_join_whose_layer_quantizer_cannot_be_shared_reads_the_float_tensor():
+    """The add's operand is quantized only through the first conv's input quantizer: where an override makes that
+    quantizer per channel (no grid to share), the operand stays float (no quantizer of its own, which would run as
+    a standalone FakeQuantize)."""
+    from lq.glue import GlueQuantizer
+
+    x = torch.randn(8, 3, 12, 12, generator=torch.Generator().manual_seed(1))
+    counts = []
+    for overrides in ({}, {"blocks.0.body.0": {"input": {"axis": [1]}}}):
+        m = ResidualNet(False).eval()
+        lq.quantize_model(m, target="openvino", sample=x[:2], overrides=overrides)
+        counts.append(sum(isinstance(q, GlueQuantizer) for q in m.modules()))
+        with torch.no_grad():
+            m(x)  # the forward runs with the tie dropped
+    assert counts == [0, 0], counts

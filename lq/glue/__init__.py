@@ -95,6 +95,8 @@ class GluePlan:
                     continue  # tied to another site's quantizer of this forward (a pool's): made below
                 if shared_input_quantizer(swapped(self.module.get_submodule(path.rsplit(".", 1)[0]))) is None:
                     del s.tied[i]
+        # a site quantizing only its tied operands keeps those whose tie holds (lq.glue._join_ties)
+        self.sites = [s for s in (s.tied_part() if s.tied_only else s for s in self.sites) if s is not None]
         self.quantizers = nn.ModuleDict({q: GlueQuantizer(desc_for(self.path(q)))
                                          for s in self.sites for q in s.quantizer_names()})
         if self.captured:

@@ -26,6 +26,17 @@ class Site:
     #: operand index -> module path (relative to the traced module) of the input quantizer of a layer that
     #: reads the same tensor; that quantizer quantizes the operand here too (``add`` only)
     tied: dict[int, str] = dataclasses.field(default_factory=dict)
+    #: only the tied operands are quantized (:mod:`lq.glue._join_ties`): one whose tie is dropped stays float
+    tied_only: bool = False
+
+    def tied_part(self) -> "Site | None":
+        """The site reduced to its tied operands (``tied_only``), or None when none is tied."""
+        if not self.tied:
+            return None
+        ops = list(dict.fromkeys(self.operands))
+        kept = [(ops[i], path) for i, path in sorted(self.tied.items())]
+        return Site(self.node, self.rule, [op for op, _ in kept], self.name,
+                    {i: path for i, (_, path) in enumerate(kept)}, tied_only=True)
 
     def operand_names(self) -> list[str | None]:
         """The site's own quantizer of each distinct operand (None where it is tied to a layer's)."""

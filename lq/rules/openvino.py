@@ -20,11 +20,14 @@ RULES: tuple[OpRule, ...] = (
     OpRule("conv_transpose", ("ConvTranspose",), produces=True, kernels=("Deconvolution",)),
     OpRule("gemm", ("Gemm",), produces=True, kernels=("FullyConnected",)),
     OpRule("matmul", ("MatMul",), produces=True, kernels=("FullyConnected", "MatMul")),
-    OpRule("add", ("Add",), produces=True, note="float, or fused as a post-op into the layer before it"),
+    OpRule("add", ("Add",), produces=True,
+           note="fused as a post-op into the conv before it; an operand a quantized layer also reads is read "
+                "through that layer's quantizer (lq.glue._join_ties), so no float copy of it is kept"),
     OpRule("concat", ("Concat",), produces=True,
            note="on the integers when its inputs share one grid (lq.glue._tensor_ties gives them one)"),
     OpRule("average_pool", ("GlobalAveragePool", "AveragePool"), produces=True,
-           note="float: a quantizer on its input ran as a separate FakeQuantize (bench.openvino)"),
+           note="float; a squeeze-excite's pool on the integers its product also reads (lq.glue._join_ties), "
+                "other pools' input quantizers ran as a separate FakeQuantize (bench.openvino)"),
     OpRule("relu", ("Relu",), note="fused into the producer"),
     OpRule("clip", ("Clip",), note="fused into the producer"),
     OpRule("max_pool", ("MaxPool",), note="on the integers (the quantizer moves across it)"),
