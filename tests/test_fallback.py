@@ -163,6 +163,22 @@ def test_the_time_budget_bounds_the_search():
     assert calls == [] and kept is None and "time budget" in record.stopped
 
 
+def test_the_budget_keeps_one_try_for_the_float_model(monkeypatch):
+    """Each try takes 10 s of a 35 s budget and no stage is enough: the passes stop while one try still fits, and
+    that one is the float model (a file left slower than FP32 when the budget ran out is what the search prevents)."""
+    clock = [0.0]
+    monkeypatch.setattr(_fallback.time, "perf_counter", lambda: clock[0])
+
+    def ratio(off):
+        clock[0] += 10.0  # the export, verification and timing of this try
+        return 1.0 if len(off) == 3 else 0.8 + 0.02 * len(off)
+
+    (record, kept), calls = _run(0.8, _groups("c", "b", "a"), ratio, budget_s=35.0, try_s=10.0)
+    assert [t.group.label for t in record.tries] == ["c", "b", _fallback.EVERY], record.tries
+    assert record.after.ratio == pytest.approx(1.0) and sorted(kept) == sorted(f"{n}._input_quantizer" for n in "cba")
+    assert "time budget" in record.stopped and "float model was tried last" in record.stopped
+
+
 # =========================================================================== through export_onnx
 def _quantized_gemm(proto: onnx.ModelProto) -> bool:
     """The head's Gemm/MatMul reads a dequantized weight (the linear is quantized in this file)."""

@@ -20,7 +20,9 @@ The groups, in the order they are tried (:func:`groups`):
 
 Each try adds its group to what the best file so far has in float. The search stops once the file is at least as
 fast as FP32, when every group was tried, or when the next try would overrun the time budget
-(``ExportConfig.fallback_seconds``). Timing decides (:data:`KEEP`): noise alone must not send layers to float.
+(``ExportConfig.fallback_seconds``), which always keeps room for the last resort: a file left slower than FP32
+because the budget ran out before the float model was tried is what the fallback exists to prevent. Timing
+decides (:data:`KEEP`): noise alone must not send layers to float.
 The search itself takes its export and its measurement as functions, so its logic is tested on exact timings.
 """
 
@@ -247,16 +249,17 @@ def search(first: SpeedCheck, tried: Sequence[Group], export: Callable[[frozense
     tries: list[Try] = []
     failed: set[str] = set()
 
-    def attempt(g: Group) -> str | None:
-        """Export, verify and time the best file so far with ``g`` off too; a reason to stop, or None."""
+    def attempt(g: Group, reserve: int = 1) -> str | None:
+        """Export, verify and time the best file so far with ``g`` off too; a reason to stop, or None. ``reserve``:
+        tries the budget must still hold after this one (the last resort's)."""
         nonlocal try_s
         off = best["off"] | frozenset(g.quantizers)
         if off == best["off"]:
             return None
         spent = time.perf_counter() - start
-        if spent + try_s > budget_s:
+        if spent + try_s * (1 + reserve) > budget_s:
             return (f"the next try would overrun the time budget ({spent:.0f} s spent, about {try_s:.0f} s a try, "
-                    f"fallback_seconds={budget_s:g})")
+                    f"fallback_seconds={budget_s:g}{', one try kept for the float model' if reserve else ''})")
         t0 = time.perf_counter()
         try:
             data, payload = export(off)
@@ -289,8 +292,11 @@ def search(first: SpeedCheck, tried: Sequence[Group], export: Callable[[frozense
             break
         pending = [g for g in pending if g.label not in failed and not set(g.quantizers) <= best["off"]]
     every = list(dict.fromkeys(q for g in tried for q in g.quantizers))
-    if stopped is None and best["check"].ratio < 1.0 and every:
-        stopped = attempt(_group(EVERY, every))
+    if best["check"].ratio < 1.0 and every:  # the budget kept this try: a file slower than FP32 is not the end
+        ran_out = stopped
+        stopped = attempt(_group(EVERY, every), reserve=0)
+        if stopped is None and ran_out:
+            stopped = f"{ran_out}; the float model was tried last"
     if stopped is None:
         stopped = (f"the file runs at {best['check'].ratio:.2f}x, at least as fast as FP32"
                    if best["check"].ratio >= 1.0 else "every group was tried")
