@@ -64,7 +64,9 @@ def test_recipes():
     assert ort.input.to_descriptor().asymmetric and not ort.weight.to_descriptor().asymmetric
     ov = C.Int8OpenvinoConfig()  # symmetric activations on QuantizeLinear's own range, 7-bit weights (no int16 overflow without VNNI)
     assert not ov.input.asymmetric and not ov.input.narrow_range and ov.weight.num_bits == 7 and ov.weight.axis == [0]
-    assert not ov.glue and ov.unsigned_after_relu and "Conv2d" in ov.types and "AdaptiveAvgPool2d" not in ov.types
+    # average pools among the types only for squeeze-excite blocks (the others stay float: test_export_openvino)
+    assert not ov.glue and ov.unsigned_after_relu and ov.shared_inputs and "Conv2d" in ov.types \
+        and "AdaptiveAvgPool2d" in ov.types and "BatchNorm2d" not in ov.types
     assert set(C.RECIPES) == {"int8_per_tensor", "int8_per_channel", "int8_reduce_range", "int8_onnxruntime",
                               "int8_openvino", "fp8", "int4_block_weight"}
     with pytest.raises(ValueError, match="asymmetric=True is not allowed.*per tensor"):
