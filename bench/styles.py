@@ -894,6 +894,9 @@ def run_arch(arch: str, fast: bool, d: str, log, size: int = 32) -> dict:
         row["placed"][style] = conv_gemm_counts(placed)["integer"]
         if res.float_fallback:
             row["notes"].append(f"style {style}: sent back to float after timing: {', '.join(res.float_fallback)}")
+        if res.fallback is not None:  # what the export's own timing said of the file it saved, and why it stopped
+            row["notes"].append(f"style {style}: the export's check of its file: {res.fallback.after.ratio:.2f}x "
+                                f"(first {res.fallback.before.ratio:.2f}x); stopped: {res.fallback.stopped}")
         paths[style] = p
         log(f"  {arch} {style}: {row['cost_s'][style]:.1f} s, verified {row['verified'][style]}")
     for k, p in paths.items():

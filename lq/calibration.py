@@ -383,7 +383,7 @@ def calibrate_model(
 
 def _calibrate(model, batches, method, weight_method, method_overrides, num_batches, percentile, num_bins, forward,
                only_uncalibrated, strict, process_group, progress, bias_correction, block_method) -> dict:
-    from lq.calib import _block_search
+    from lq.calib import _block_search, _stamp
 
     if block_method not in _block_search.BLOCK_METHODS:
         raise ValueError(f"block_method={block_method!r} is not allowed: choose one of {list(_block_search.BLOCK_METHODS)}")
@@ -425,6 +425,7 @@ def _calibrate(model, batches, method, weight_method, method_overrides, num_batc
         top1 = "sample_mean" in methods.values() or (result.auto is not None and result.auto.judged_by == "top1")
         judge = "top1" if top1 else "r2"
         result.bias_correction = correct_biases(model, check, forward, process_group=process_group, judge=judge)
+    _stamp.stamp(model)  # the weights as calibrated: the export's fallback may turn quantizers off freely
     return result
 
 

@@ -302,6 +302,7 @@ def test_a_copy_that_moves_the_outputs_is_not_used(tmp_path, monkeypatch):
         _fallback.check_fidelity([np.array([1.0, 2.0, 3.0])], [np.array([1.0, 2.0, 2.0])])
     x = torch.randn(4, 3, 16, 16)
     model = _quantized(x)
+    _train_a_step(model, x)  # trained since calibration (QAT): its float self may compute something else
     timed = _cost_model(monkeypatch)
     monkeypatch.setattr(_fallback, "FIDELITY", 0.0)  # every quantizer matters: no copy is close enough
     res = export_onnx(model, x, tmp_path / "m.onnx")
@@ -309,6 +310,37 @@ def test_a_copy_that_moves_the_outputs_is_not_used(tmp_path, monkeypatch):
     assert res.float_fallback == [] and res.fallback.tries and all(t.check is None for t in res.fallback.tries)
     assert "from the quantized model's" in res.fallback.tries[0].error
     assert _quantized_gemm(onnx.load(str(tmp_path / "m.onnx")))
+
+
+def _train_a_step(model, x):
+    """One optimizer step with the quantizers on, as QAT takes: the weights change in place."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model.train()
+    model(x).square().mean().backward()
+    opt.step()
+    model.eval()
+
+
+def test_a_model_not_trained_since_calibration_may_lose_its_quantizers_however_far_its_outputs_move(tmp_path,
+                                                                                                    monkeypatch):
+    """Post-training quantization: with its quantizers off the model is the user's own float model, so the fidelity
+    gate does not refuse the copies (a MobileNetV3-style net moved 12% and its float model was refused: the file
+    ran at 0.68x FP32). A training step after calibration brings the gate back (previous test)."""
+    from lq.calib import _stamp
+
+    x = torch.randn(4, 3, 16, 16)
+    model = _quantized(x)
+    assert _stamp.untouched(model)
+    timed = _cost_model(monkeypatch)
+    monkeypatch.setattr(_fallback, "FIDELITY", 0.0)
+    res = export_onnx(model, x, tmp_path / "m.onnx")
+    assert res.float_fallback == ["head"] and res.speed_check.ratio == pytest.approx(1.5), res.fallback.note()
+    assert timed == [True, True, False]
+    assert _stamp.untouched(model)  # the export changed nothing of the user's model
+    moved = copy.deepcopy(model)
+    assert not _stamp.untouched(moved)  # a copy is not known to be as calibrated
+    _train_a_step(model, x)
+    assert not _stamp.untouched(model)
 
 
 def test_fallback_seconds_zero_only_warns(tmp_path, monkeypatch):

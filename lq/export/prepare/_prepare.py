@@ -16,6 +16,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from lq.config import ExportConfig
+from lq.calib import _stamp
 from lq.export._files import short
 from lq.export._ir import ExportError
 from lq.export.prepare import _model_checks
@@ -36,6 +37,8 @@ class Prepared:
     output_names: list
     opset: int
     device_type: str  # where the user's model lives ("cuda": verification uses onnxruntime's CUDA provider)
+    #: calibrated and not trained since (lq.calib._stamp): with its quantizers off it is the user's own model
+    calibrated_as_is: bool = False
 
 
 def prepare(model, sample_input, cfg: ExportConfig) -> Prepared:
@@ -86,7 +89,8 @@ def prepare(model, sample_input, cfg: ExportConfig) -> Prepared:
         ["output"] if len(ref_out) == 1 else [f"output_{i}" for i in range(len(ref_out))])
 
     return Prepared(work=work, args=args, cases=cases, tensors=tensors, dims=dims, input_names=input_names,
-                    output_names=output_names, opset=opset, device_type=device_type)
+                    output_names=output_names, opset=opset, device_type=device_type,
+                    calibrated_as_is=_stamp.untouched(model))
 
 
 def outputs(work: torch.nn.Module, inputs: tuple) -> list[np.ndarray]:
