@@ -601,9 +601,7 @@ def quantize_model(
         glue_notes = capture_notes + glue_notes
         if not glue:  # but, for OpenVINO, a join reads a layer's input on its grid (lq.glue._join_ties)
             glue_plans = _join_ties.tied_joins(glue_plans) if shared_inputs else []
-            read = _join_ties.pool_modules(glue_plans)
-            for t in [t for t in targets.values() if isinstance(t.module, _join_ties.AVG_POOLS)
-                      and id(t.module) not in read and shared_inputs]:
+            for t in _join_ties.unread_pools(targets.values(), glue_plans) if shared_inputs else []:
                 del targets[id(t.module)]
                 layers[t.row] = None  # not a layer the recipe quantizes: no row
         if activations:  # the float stem and what reads it in float (lq.glue._float_region)

@@ -18,7 +18,7 @@ The glue plan (:func:`lq.glue.plan`) already finds both halves: each join as a s
 layer's input quantizer (:data:`lq.glue._rules.TIED_LAYERS`: convs, linears, a quantized ``nn.AdaptiveAvgPool2d``)
 or to a pool site of the same forward (a pool written as ``F.adaptive_avg_pool2d`` or a spatial mean).
 :func:`tied_joins` keeps of each plan only those: each join reduced to its tied operands, and the pool sites they
-read. The pool modules that no join reads stay float (:func:`pool_modules` names the others).
+read. The pool modules that no join reads stay float (:func:`unread_pools` names them).
 """
 
 from __future__ import annotations
@@ -46,15 +46,12 @@ def tied_joins(plans: list) -> list:
     return kept
 
 
-def pool_modules(plans: list) -> set[int]:
-    """Ids of the pool modules whose input quantizer a kept join uses (:func:`tied_joins`' plans)."""
-    out = set()
+def unread_pools(targets, plans: list) -> list:
+    """The pool modules among ``targets`` (conversion targets, ``.module`` each) whose input quantizer no join of
+    :func:`tied_joins`' ``plans`` uses: they stay float."""
+    read = set()
     for p in plans:
         for s in p.sites:
-            for path in s.tied.values():
-                if not path.startswith(CHILD + "."):
-                    layer = p.module.get_submodule(path[: -len(INPUT_QUANTIZER) - 1])
-                    if isinstance(layer, AVG_POOLS):
-                        out.add(id(layer))
-    return out
-
+            read.update(id(p.module.get_submodule(path[: -len(INPUT_QUANTIZER) - 1]))
+                        for path in s.tied.values() if not path.startswith(CHILD + "."))
+    return [t for t in targets if isinstance(t.module, AVG_POOLS) and id(t.module) not in read]

@@ -24,7 +24,7 @@ class Site:
     operands: list[fx.Node]
     name: str
     #: operand index -> module path (relative to the traced module) of the input quantizer of a layer that
-    #: reads the same tensor; that quantizer quantizes the operand here too (``add`` only)
+    #: reads the same tensor; that quantizer quantizes the operand here too (joins and concats)
     tied: dict[int, str] = dataclasses.field(default_factory=dict)
     #: only the tied operands are quantized (:mod:`lq.glue._join_ties`): one whose tie is dropped stays float
     tied_only: bool = False
