@@ -11,11 +11,17 @@ quantized conv (lq's ``int8_reduce_range`` recipe, exported by ``lq.export.expor
 so onnxruntime fuses it into QLinearConv) against the same conv in FP32 (``torch.onnx``), batch 32, one
 thread. The conv's own kernel time comes from onnxruntime's profiler (median over runs), so the Q/DQ and
 layout ops around it do not count. The table names the CPU's ISA.
+
+Where lq pads a conv's input channels for onnxruntime's symmetric conv kernel
+(``lq.rules.onnxruntime.ort_padded_input_channels``), the same file without that padding is timed too: the
+measurement behind ``ORT_SYM_CONV_CHANNEL_ALIGN``. Cases the rule does not pad (a 7x7 RGB stem, 1-D stems) are
+timed padded as well, to show why not (lq pads 2-D convs only).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -41,12 +47,18 @@ CASES = [
     ("dense 3x3, 1 -> 32, 32x32", 1, 32, 3, 1, 32),
     ("dense 3x3, 2 -> 32, 32x32", 2, 32, 3, 1, 32),
     ("dense 3x3, 3 -> 32, 32x32", 3, 32, 3, 1, 32),
+    ("dense 3x3, 3 -> 16, 32x32", 3, 16, 3, 1, 32),
     ("dense 3x3, 4 -> 32, 32x32", 4, 32, 3, 1, 32),
+    ("dense 3x3, 6 -> 32, 32x32", 6, 32, 3, 1, 32),
     ("dense 3x3, 8 -> 32, 32x32", 8, 32, 3, 1, 32),
+    ("dense 3x3, 10 -> 16, 24x24 (P-Net's second conv)", 10, 16, 3, 1, 24),
+    ("dense 3x3, 30 -> 32, 32x32", 30, 32, 3, 1, 32),
     ("dense 1x1, 16 -> 32, 32x32", 16, 32, 1, 1, 32),
     ("dense 1x1, 32 -> 32, 32x32", 32, 32, 1, 1, 32),
     ("dense 5x5, 3 -> 32, 32x32", 3, 32, 5, 1, 32),
     ("dense 7x7 stride 2, 3 -> 32, 64x64 (ResNet's RGB stem)", 3, 32, 7, 1, 64, 2),
+    ("dense 7x7, 2 -> 32, 32x32", 2, 32, 7, 1, 32),
+    ("1-D 9 taps, 1 -> 16, 784 samples", 1, 16, 9, 1, 784, 1, 1),
     ("1-D 32 taps, 1 -> 64, 784 samples", 1, 64, 32, 1, 784, 1, 1),
     ("1-D 128 taps stride 4, 1 -> 64, 784 samples", 1, 64, 128, 1, 784, 4, 1),
     ("1-D 512 taps stride 4, 1 -> 128, 784 samples (CREPE's stem)", 1, 128, 512, 1, 784, 4, 1),
@@ -57,7 +69,7 @@ CASES = [
 ]
 #: the label of a case whose conv writes a model output
 HEAD = "model output"
-FAST = [0, 3, 5, 6]
+FAST = [0, 3, 5, 7]
 
 
 def _model(cin, cout, k, groups, stride=1, dims=2):
@@ -89,9 +101,30 @@ def _conv_ms(path: str, x: np.ndarray, runs: int, prefix: str) -> tuple[float, s
     return float(np.median([d for _, d, _ in first[2:]])) / 1000.0, first[0][2]
 
 
+@contextlib.contextmanager
+def _padding(on: bool):
+    """lq's export with its channel padding (the default) or without it, and for cases the rule does not pad, with
+    it forced (the rule's function answering the next multiple of 4 for any dense conv): restored on exit."""
+    from lq.export.passes import _pad_channels, _pipeline
+    from lq.rules.onnxruntime import ORT_SYM_CONV_CHANNEL_ALIGN
+
+    passes, rule = _pipeline.GRAPH_PASSES, _pad_channels.ort_padded_input_channels
+    if not on:
+        _pipeline.GRAPH_PASSES = tuple(p for p in passes if p.name != "pad_conv_input_channels")
+    else:
+        align = ORT_SYM_CONV_CHANNEL_ALIGN
+        _pad_channels.ort_padded_input_channels = lambda cin, cout, groups, k: \
+            None if groups != 1 or cin % align == 0 else -(-cin // align) * align
+    try:
+        yield
+    finally:
+        _pipeline.GRAPH_PASSES, _pad_channels.ort_padded_input_channels = passes, rule
+
+
 def measure(case, d: str, runs: int) -> dict:
     from bench.ordinary import lq_ptq
     from lq.export import export_onnx
+    from lq.rules.onnxruntime import ort_padded_input_channels
 
     label, cin, cout, k, groups, hw, *rest = case
     stride, dims = (rest[0] if rest else 1), (rest[1] if len(rest) > 1 else 2)
@@ -104,13 +137,22 @@ def measure(case, d: str, runs: int) -> dict:
         torch.onnx.export(model, (x[:1],), fp32, dynamo=False, opset_version=17, input_names=["input"],
                           dynamic_axes={"input": {0: "batch"}})
     # the file with lq's placement as it is (no measured fallback): this bench measures the kernels themselves
-    export_onnx(lq_ptq(model, [x], reduce_range=True), x[:4], int8, fallback_seconds=0)
+    quantized = lq_ptq(model, [x], reduce_range=True)
+    export_onnx(quantized, x[:4], int8, fallback_seconds=0)
     xn = x.numpy()
     f_ms, f_op = _conv_ms(fp32, xn, runs, os.path.join(d, "p_fp32"))
     i_ms, i_op = _conv_ms(int8, xn, runs, os.path.join(d, "p_int8"))
-    return {"case": label, "channels_per_group": cin // groups, "products": cin // groups * k ** dims,
-            "out_channels": cout, "head": HEAD in label, "fp32_ms": f_ms, "int8_ms": i_ms,
-            "int8_op": i_op, "fp32_op": f_op, "speedup": f_ms / i_ms}
+    row = {"case": label, "channels_per_group": cin // groups, "products": cin // groups * k ** dims,
+           "out_channels": cout, "head": HEAD in label, "fp32_ms": f_ms, "int8_ms": i_ms,
+           "int8_op": i_op, "fp32_op": f_op, "speedup": f_ms / i_ms,
+           "padded_by_lq": ort_padded_input_channels(cin, cout, groups, (k,) * dims) is not None,
+           "other_ms": None}
+    if groups == 1 and cin % 4 and dims == 2 and HEAD not in label:  # the other side of the padding rule, same run
+        other = os.path.join(d, "int8_other.onnx")
+        with _padding(not row["padded_by_lq"]):
+            export_onnx(quantized, x[:4], other, fallback_seconds=0)
+        row["other_ms"] = _conv_ms(other, xn, runs, os.path.join(d, "p_other"))[0]
+    return row
 
 
 def main(argv=None) -> int:
@@ -130,10 +172,17 @@ def main(argv=None) -> int:
         r = rows[-1]
         _report.log(f"  {r['case']}: FP32 {r['fp32_ms']:.3f} ms, {r['int8_op']} {r['int8_ms']:.3f} ms "
                     f"({r['speedup']:.2f}x)")
+    def other(r) -> str:  # the INT8 conv on the other side of the padding rule
+        if r["other_ms"] is None:
+            return "-"
+        return f"{r['other_ms']:.3f} ({'unpadded' if r['padded_by_lq'] else 'padded'})"
+
     table = _report.table(["conv (batch 32)", "input channels per group", "products per output", "FP32 conv ms",
-                           "INT8 kernel", "INT8 ms", "INT8 speed-up"],
+                           "INT8 kernel", "INT8 ms (lq's file)", "INT8 speed-up", "channels padded by lq",
+                           "INT8 ms, the other way"],
                           [(r["case"], r["channels_per_group"], r["products"], f"{r['fp32_ms']:.3f}", r["int8_op"],
-                            f"{r['int8_ms']:.3f}", f"{r['speedup']:.2f}x") for r in rows], "lrrrlrr")
+                            f"{r['int8_ms']:.3f}", f"{r['speedup']:.2f}x", "yes" if r["padded_by_lq"] else "no",
+                            other(r)) for r in rows], "lrrrlrrll")
     _report.finish_run(out, "conv_kernels", {"rows": rows}, "Conv kernels: INT8 or float",
                        f"Produced by `bench/conv_kernels.py` (CPU: {_report.cpu_isa()}). One conv's kernel time in "
                        "onnxruntime's profiler, 1 thread; INT8 = lq's int8_reduce_range export, which onnxruntime "

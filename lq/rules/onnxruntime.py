@@ -49,6 +49,24 @@ ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP = 4
 #: 2.71x, CREPE's 512 taps 2.44x (same run). Conservative for 1-D convs: 32 taps on one channel already ran 1.42x
 #: there, where 2-D kernels of 27 to 75 products run 0.39-0.80x.
 ORT_INT8_CONV_MIN_REDUCTION = 128
+#: onnxruntime's x86 integer conv (MLAS, AVX2 and every later ISA) has two paths for a dense conv with int8
+#: weights of zero zero point: an indirect "symmetric" kernel, taken only when the conv's input channels are a
+#: multiple of this, its output channels at least ORT_SYM_CONV_MIN_OUT_CHANNELS and a multiple of
+#: ORT_SYM_CONV_OUT_CHANNEL_ALIGN (AVX2's alignment; AVX-512's is 4), and im2col + integer GEMM otherwise. An RGB or
+#: grayscale 2-D stem misses the fast one by its 1-3 channels; zero channels padded onto its quantized input (and
+#: zero weights onto its filter: the same sums) put it there. Measured (kernel times, batch 32, AVX-512 VNNI + AMX;
+#: ``python -m bench.conv_kernels`` times both sides): 3x3 convs with 1, 2, 3, 6, 7, 10, 15 input channels
+#: 0.99 / 0.95 / 0.96 / 0.92 / 1.02 / 0.51 / 1.16 ms -> 0.49 / 0.50 / 0.50 / 0.62 / 0.66 / 0.33 / 0.88 ms padded,
+#: 5x5 with 3 channels 1.61 -> 1.21 ms. Not everywhere: 3x3 with 30 channels 1.17 -> 1.33 ms, 5x5 with 10 channels
+#: 1.76 -> 1.81, 7x7 RGB stems 1.96 -> 2.41 and 2.58 -> 3.42 ms, 7x7 with 10 channels 2.50 -> 3.82; 1-D convs
+#: of 9 and 32 taps on one channel 0.29 -> 0.39 and 0.80 -> 1.11 ms. So lq pads 2-D kernels of at most
+#: ORT_SYM_CONV_MAX_KERNEL_ELEMENTS with fewer products per output than ORT_INT8_CONV_MIN_REDUCTION. The bench's
+#: ResNet-style net (3 -> 16 3x3 stem, max pool): 0.87 / 1.00 / 1.04x FP32 at batch 1 / 8 / 32 before, 1.04 / 1.22 /
+#: 1.29x padded.
+ORT_SYM_CONV_CHANNEL_ALIGN = 4
+ORT_SYM_CONV_MIN_OUT_CHANNELS = 16
+ORT_SYM_CONV_OUT_CHANNEL_ALIGN = 8
+ORT_SYM_CONV_MAX_KERNEL_ELEMENTS = 25
 #: a conv that writes a model output (lq leaves model outputs float; onnxruntime's own quantizer puts a Q/DQ pair
 #: there to run QLinearConv) with fewer output channels than this runs faster as its float conv, even before the
 #: DequantizeLinear the integer kernel would need: ``python -m bench.conv_kernels``, the "model output" cases
@@ -71,3 +89,18 @@ def ort_prefers_float_conv(channels_per_group: int, kernel_size=(1,)) -> bool:
     """Whether onnxruntime runs a conv with this many input channels per group and this kernel faster in float."""
     products = channels_per_group * math.prod(kernel_size)
     return channels_per_group < ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP and products < ORT_INT8_CONV_MIN_REDUCTION
+
+
+def ort_padded_input_channels(in_channels: int, out_channels: int, groups: int, kernel_size) -> int | None:
+    """The input channel count a quantized conv is padded to so that onnxruntime runs its symmetric conv kernel
+    (:data:`ORT_SYM_CONV_CHANNEL_ALIGN`), or None where it runs that kernel already or padding does not pay."""
+    align = ORT_SYM_CONV_CHANNEL_ALIGN
+    if groups != 1 or len(kernel_size) != 2 or in_channels % align == 0:
+        return None
+    if not 1 < math.prod(kernel_size) <= ORT_SYM_CONV_MAX_KERNEL_ELEMENTS:  # a 1x1 conv needs no im2col
+        return None
+    if out_channels < ORT_SYM_CONV_MIN_OUT_CHANNELS or out_channels % ORT_SYM_CONV_OUT_CHANNEL_ALIGN:
+        return None
+    if in_channels * math.prod(kernel_size) >= ORT_INT8_CONV_MIN_REDUCTION:
+        return None
+    return -(-in_channels // align) * align

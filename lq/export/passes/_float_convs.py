@@ -72,13 +72,13 @@ def _reads_dequantized(n, prod: dict) -> bool:
     return p is not None and p.op_type == "DequantizeLinear"
 
 
-def _path_to_quantize(n, g: Graph, cons: dict) -> bool:
+def _path_to_quantize(n, g: Graph, cons: dict, outputs: bool = True) -> bool:
     """``n``'s output reaches a QuantizeLinear through single-reader ReLU/Clip links only (what onnxruntime's
-    WeightBiasQuantization looks for), or is a model output."""
+    WeightBiasQuantization and its QDQ conv fusion look for), or (``outputs``) is a model output."""
     cur = n
     while True:
         if cur.output[0] in g.graph_outputs:
-            return True
+            return outputs
         users = cons.get(cur.output[0], [])
         if len(users) != 1:
             return False

@@ -18,7 +18,7 @@ import onnx
 from lq.config import ExportConfig
 from lq.export._ir import Graph, value_shapes
 from lq.export.passes import (_channel_affine, _dynamic_lstm, _float_convs, _fold_bn, _fold_constants, _gelu_order, _int16,
-                              _linear_gemm, _loops, _lower, _matmul_nbits, _mean_first, _placement, _pool_first,
+                              _linear_gemm, _loops, _lower, _matmul_nbits, _mean_first, _pad_channels, _placement, _pool_first,
                               _quantize_first, _silu, _swap_last_axes, _upsample, _weight_layout)
 
 ORT = ("onnxruntime",)
@@ -85,6 +85,8 @@ GRAPH_PASSES: tuple[Pass, ...] = (
     Pass("quantizers_first", lambda g, r: _quantize_first.quantizers_first(g), OPENVINO),
     Pass("dedupe_quantizers", lambda g, r: _placement.dedupe_quantizers(g)),
     Pass("encode_int16_safe", lambda g, r: r.u8_weights.extend(_int16.encode_int16_safe(g)), ORT),
+    # an RGB stem's quantized input and filter padded to 4 channels: onnxruntime's fast symmetric conv kernel
+    Pass("pad_conv_input_channels", lambda g, r: _pad_channels.pad_conv_input_channels(g), ORT),
     Pass("weights_to_qdq", lambda g, r: _weight_layout.weights_to_qdq(g), when=lambda cfg: cfg.resolved_weight_format() == "qdq"),
     Pass("loop_bodies", lambda g, r: _loops.rewrite_bodies(g, lambda body: run_graph_passes(body, r))),
 )
