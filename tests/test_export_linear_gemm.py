@@ -121,3 +121,20 @@ def test_exported_block_runs_its_linears_as_qgemm_for_any_token_count(tmp_path):
     assert "MatMul" not in ops and ops.count("Gemm") == 2, ops
     for tokens in (3, 17):  # token counts the export never saw: the reshape back follows the input's shape
         assert_file_matches_pytorch(model, res, torch.randn(5, tokens, 16, generator=torch.Generator().manual_seed(7)))
+
+
+def test_reshape_back_is_a_constant_where_only_the_batch_is_unknown(tmp_path):
+    """Exported with a dynamic batch only, every Gemm's unflatten reads a constant ``[-1, tokens, N]``
+    (:func:`lq.export.passes._linear_gemm.static_leading_shapes`), the GELU between the two Linears included: no
+    Shape or Concat is left to run, and the file still equals PyTorch at batch sizes it never saw. With the token
+    count dynamic (the test above) the shapes stay computed."""
+    torch.manual_seed(0)
+    model = Block()
+    calib = [torch.randn(4, 10, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    res, ops = quantize_calibrate_export(model, calib, str(tmp_path / "block.onnx"), speed_check=False)
+    assert ops.count("Gemm") == 2 and "Shape" not in ops and "Concat" not in ops, ops
+    for batch in (1, 7):
+        assert_file_matches_pytorch(model, res, torch.randn(batch, 10, 16, generator=torch.Generator().manual_seed(3)))
+    dynamic, dyn_ops = quantize_calibrate_export(Block(), calib, str(tmp_path / "dyn.onnx"), dynamic_dims=(1,),
+                                                 speed_check=False)
+    assert dyn_ops.count("Shape") >= 2, dyn_ops  # tokens unknown: each Gemm reshapes back by the input's shape

@@ -99,3 +99,66 @@ def _flatten(g: Graph, dq_a, k: int) -> tuple[str, str]:
     at = g.nodes.index(dq_a) + 1
     g.nodes[at:at] = [flat, dq, lead]
     return dq.output[0], lead.output[0]
+
+
+#: ops whose output has their first input's shape: a Gelu that onnxruntime's contrib domain writes (shape inference
+#: does not know it) between two linears keeps the shape the first linear's unflatten gave
+_SAME_SHAPE = frozenset({"QuantizeLinear", "DequantizeLinear", "Gelu", "FastGelu", "QuickGelu", "Relu", "Sigmoid",
+                         "Tanh", "Erf", "Clip", "Cast", "Identity", "HardSwish", "HardSigmoid", "LeakyRelu"})
+
+
+#: binary ops whose output has their operands' shape when the operands agree, or one is a scalar
+_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
+
+
+def _scalar(g: Graph, name: str) -> bool:
+    c = g.const(name)
+    return c is not None and c.size == 1
+
+
+def static_leading_shapes(g: Graph, shapes: dict[str, tuple]) -> int:
+    """The ``Concat(Shape(x)[:-1], [N])`` that unflattens a Gemm's output, as one constant ``[-1, d1, ..., N]``
+    where every dim of ``x`` but the first (the batch) is known: a vision transformer's tokens. The reshape then
+    needs no Shape and Concat of its own on every run; at batch 1, where each op costs a few microseconds, they
+    were 14 of a 10-linear transformer's 172 ops (bench.styles' transformer, AMX Xeon: 0.135 -> 0.130 ms). Returns
+    how many it rewrote."""
+    prod, cons = g.producers(), g.consumers()
+    known = dict(shapes)
+
+    def dims_of(name: str, depth: int = 0) -> tuple | None:
+        """``name``'s shape where all its dims but the first are known: from shape inference, or through
+        shape-keeping ops (a decomposed GELU's Mul, Add, Erf chain) from such a value."""
+        d = known.get(name)
+        if d and all(v is not None for v in d[1:]):
+            return d
+        p = prod.get(name)
+        if p is None or depth > 24:
+            return None
+        if p.op_type in _SAME_SHAPE:
+            return dims_of(p.input[0], depth + 1)
+        if p.op_type in _ELEMENTWISE and len(p.input) == 2:  # a scalar operand, or two of one shape
+            a, b = (None if _scalar(g, i) else dims_of(i, depth + 1) for i in p.input)
+            if a is None or b is None:
+                return a if _scalar(g, p.input[1]) else b if _scalar(g, p.input[0]) else None
+            return a if a[1:] == b[1:] else None
+        return None
+
+    done = 0
+    for back in [n for n in g.nodes if n.op_type == "Reshape" and n.name.endswith("/unflatten")]:
+        concat = prod.get(back.input[1])
+        if concat is None or concat.op_type != "Concat" or len(concat.input) != 2 or len(cons[concat.output[0]]) != 1:
+            continue
+        lead, n_out = prod.get(concat.input[0]), g.const(concat.input[1])
+        if lead is None or lead.op_type != "Shape" or attr(lead, "start", 0) != 0 or attr(lead, "end") != -1 \
+                or n_out is None:
+            continue
+        dims = dims_of(lead.input[0])
+        if dims is None:
+            continue
+        shape = [*dims[1:-1], *n_out.tolist()]
+        back.input[1] = g.add_const(f"{back.name}/shape", np.array([-1, *shape], np.int64))
+        known[back.output[0]] = (None, *shape)
+        done += 1
+    if done:
+        drop_unread(g, lambda m: m.op_type in ("Shape", "Concat"))
+    return done

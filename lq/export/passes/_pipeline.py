@@ -101,6 +101,8 @@ SHAPE_PASSES: tuple[Pass, ...] = (
     Pass("silus_as_quick_gelu", lambda g, shapes: _silu.silus_as_quick_gelu(g), ORT),
     # the current exporter's key.transpose(-1, -2) (Reshape -> Transpose -> Reshape) as one Transpose
     Pass("swap_last_axes", lambda g, shapes: _swap_last_axes.swap_last_axes(g, shapes)),
+    # a Gemm's unflatten shape as a constant where only the batch is unknown (lq.export.passes._linear_gemm)
+    Pass("static_leading_shapes", lambda g, shapes: _linear_gemm.static_leading_shapes(g, shapes), ORT),
 )
 
 
