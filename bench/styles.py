@@ -24,6 +24,7 @@ and copied into every style).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -957,6 +958,9 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", nargs="*", default=list(ZOO), choices=list(ZOO))
     ap.add_argument("--sizes", nargs="*", type=int, default=[32],
                     help="image sizes to make and time the files at (weights trained at 32); also e.g. 224")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of architectures and sizes not rerun from the output folder's styles.json "
+                         "(their earlier run; the table says which rows were rerun)")
     args = ap.parse_args(argv)
     out, cmd, t0 = _report.start_run(args)
     rows = []
@@ -967,6 +971,13 @@ def main(argv=None) -> int:
             _report.log(f"{arch} at {size} ...")
             with tempfile.TemporaryDirectory() as d:
                 rows.append(run_arch(arch, args.fast, d, _report.log, size))
+    if args.merge and (out / "styles.json").exists():
+        rerun = {(r["arch"], r["size"]) for r in rows}
+        kept = [r for r in json.loads((out / "styles.json").read_text())["rows"] if (r["arch"], r["size"]) not in rerun]
+        for r in rows:
+            r["notes"].append("rerun in this run; the other rows are from the file's earlier run (--merge)")
+        order = {a: i for i, a in enumerate(ZOO)}
+        rows = sorted(kept + rows, key=lambda r: (r["size"], order[r["arch"]]))
     write_markdown(rows, out, cmd, time.perf_counter() - t0, args.fast)
     return 0
 
