@@ -16,6 +16,7 @@ ReLU/Clip, what its fusion looks for). A conv running in float is left as it is.
 from __future__ import annotations
 
 import numpy as np
+
 from lq.export._ir import Graph, attr
 from lq.export.passes._float_convs import _path_to_quantize
 from lq.rules.onnxruntime import ort_padded_input_channels
