@@ -19,7 +19,7 @@ from lq.config import ExportConfig
 from lq.export._ir import Graph, value_shapes
 from lq.export.passes import (_channel_affine, _dynamic_lstm, _float_convs, _fold_bn, _fold_constants, _gelu_order, _int16,
                               _linear_gemm, _loops, _lower, _matmul_nbits, _mean_first, _pad_channels, _placement, _pool_first,
-                              _quantize_first, _silu, _swap_last_axes, _upsample, _weight_layout)
+                              _quantize_first, _reshape_chains, _silu, _swap_last_axes, _upsample, _weight_layout)
 
 ORT = ("onnxruntime",)
 #: the passes every target runs (standard ONNX in, standard ONNX out)
@@ -103,6 +103,9 @@ SHAPE_PASSES: tuple[Pass, ...] = (
     Pass("swap_last_axes", lambda g, shapes: _swap_last_axes.swap_last_axes(g, shapes)),
     # a Gemm's unflatten shape as a constant where only the batch is unknown (lq.export.passes._linear_gemm)
     Pass("static_leading_shapes", lambda g, shapes: _linear_gemm.static_leading_shapes(g, shapes), ORT),
+    # a Gemm's output kept 2-D through a GELU into the next Gemm; reshapes in a row as one (lq.export.passes._reshape_chains)
+    Pass("rows_between_gemms", lambda g, shapes: _reshape_chains.rows_between_gemms(g), ORT),
+    Pass("merge_reshape_chains", lambda g, shapes: _reshape_chains.merge_reshape_chains(g), ORT),
 )
 
 
