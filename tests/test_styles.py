@@ -43,6 +43,26 @@ def _layers(model: torch.nn.Module) -> int:
     return sum(isinstance(m, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Linear)) for m in model.modules())
 
 
+def _apart(model: torch.nn.Module) -> None:
+    """Move every quantizer's range by a different small amount: two quantizers on one tensor then never agree
+    by coincidence (max calibration of one tensor gives equal scales, and the export merges equal Q/DQ), so a
+    tensor placed on two grids shows as a conv exported twice. A shared quantizer moves once."""
+    from lq.nn.modules.tensor_quantizer import TensorQuantizer
+
+    seen: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, TensorQuantizer) and id(m) not in seen and m.amax is not None:
+            seen.add(id(m))
+            m.amax = m.amax * (1 - 0.003 * (len(seen) % 50))
+
+
+#: styles whose tensors still take two grids where calibration does not make them agree: torchvision's
+#: _DenseLayer concatenates its list in its own forward, so one feature is concatenated in several forwards, which
+#: the per-forward sharing (lq.glue._sites._share_repeated_operands) does not join (issue 39). Calibrated by max,
+#: the grids coincide and the file is as style a's, which is what is checked for them
+TWO_GRIDS_ACROSS_FORWARDS = {("densenet", "c")}
+
+
 @pytest.mark.parametrize("arch", list(S.ZOO))
 def test_every_style_gets_the_same_integer_kernels(arch, tmp_path):
     from bench.library import INT_CONV_GEMM
@@ -58,12 +78,18 @@ def test_every_style_gets_the_same_integer_kernels(arch, tmp_path):
         summary = quantize_model(model, sample=x[:4])
         assert not [n for n in summary.notes if "torch.fx" in n], summary.notes  # placed on the capture
         calibrate_model(model, [x[:16], x[16:]], method="max")
+        if (arch, style) not in TWO_GRIDS_ACROSS_FORWARDS:
+            _apart(model)
         path = str(tmp_path / f"{style}.onnx")
         # the legacy exporter: the same kernels as the current one (tests/test_capture.py exports with both), in a
         # tenth of the time; not for the U-Net, whose style c resizes to ``skip.shape[-2:]``, which the legacy
         # exporter writes as shape arithmetic the export cannot read a whole factor from (a Resize, not an Expand)
         res = export_onnx(model, x[:8], path, fallback_seconds=0, speed_check=False, dynamo=arch == "unet")
         assert res.verified, res.verdict
+        import onnx
+
+        copies = [n.name for n in onnx.load(path).graph.node if n.name.endswith("_copy")]
+        assert not copies, f"{arch} style {style}: a tensor on two grids, its producer exported twice: {copies}"
         compute = [k for k in res.layer_kernels if k.op in ("Conv", "Gemm", "MatMul")]  # what onnxruntime runs
         bad = [k.text() for k in compute if not k.integer and not k.by_choice]
         assert not bad, f"{arch} style {style}: conv/gemm float for want of a quantizer: {bad}"

@@ -26,7 +26,7 @@ from lq.glue._outputs import OutputSite
 from lq.glue import _at_calls
 from lq.glue._rewrite import CHILD, GlueQuantized, GlueQuantizer, call_table, commit, glue_class, remove
 from lq.glue._rules import (FUNCTIONS, INPUT_QUANTIZER, METHODS, OUTPUT, TIE_THROUGH_METHODS, ACTIVATIONS, RELU_NORM,
-                            SLOPED, TIED_LAYERS, GlueRule, ties_through)
+                            SLOPED, TIED_LAYERS, MAX_POOLS, GlueRule, ties_through)
 from lq.glue._sites import Site, find_sites
 from lq.glue._trace import trace
 from lq.nn.modules.tensor_quantizer import TensorQuantizer
@@ -170,7 +170,11 @@ SAME_VALUE_MODULES = (nn.Identity, nn.Flatten, nn.Dropout, nn.Dropout1d, nn.Drop
 def _tie(parent: nn.Module, graph: fx.Graph, will_be_quantized):
     """``tie(node)``: the input quantizer path of the first quantized conv/linear of ``parent`` that reads
     ``node`` as its input, directly or through grid-preserving ops (max pooling, reshapes), or None; a node that
-    only passes its input's values on (an ``nn.Identity`` shortcut, a reshape) is tied as that input."""
+    only passes its input's values on (an ``nn.Identity`` shortcut, a reshape) is tied as that input. A quantized
+    max pool module (the first child of a stage ``nn.Sequential(nn.MaxPool2d(2), conv, ...)``) ties too: its input
+    quantizer is the grid of the conv it feeds (:mod:`lq.glue._pool_grid`), so a U-Net's skip concatenated by the
+    decoder shares it as the functional ``F.max_pool2d`` form does (bench.styles' U-Net style a exported its
+    encoder conv twice, once per grid, when the two scales came out apart)."""
 
     def through(u: fx.Node) -> bool:  # a grid-preserving op (max pool, reshape ...) reading its first argument
         return ties_through(u, parent)
@@ -184,7 +188,7 @@ def _tie(parent: nn.Module, graph: fx.Graph, will_be_quantized):
                 while _plain_sequential(layer) and len(layer):  # its first child reads the input
                     first = next(iter(layer._modules))
                     path, layer = f"{path}.{first}", layer._modules[first]
-                if isinstance(layer, TIED_LAYERS) and will_be_quantized(layer):
+                if isinstance(layer, TIED_LAYERS + MAX_POOLS) and will_be_quantized(layer):
                     return f"{path}.{INPUT_QUANTIZER}"
         for u in node.users:
             if depth < 4 and u.args and u.args[0] is node and through(u):

@@ -28,6 +28,9 @@ class Site:
     tied: dict[int, str] = dataclasses.field(default_factory=dict)
     #: only the tied operands are quantized (:mod:`lq.glue._join_ties`): one whose tie is dropped stays float
     tied_only: bool = False
+    #: operand index -> the quantizer of an earlier site of this forward that reads the same tensor
+    #: (:func:`_share_repeated_operands`), which quantizes the operand here too
+    aliases: dict[int, str] = dataclasses.field(default_factory=dict)
 
     def tied_part(self) -> "Site | None":
         """The site reduced to its tied operands (``tied_only``), or None when none is tied."""
@@ -43,7 +46,8 @@ class Site:
         ops = list(dict.fromkeys(self.operands))
         if self.rule.shared:
             return [self.name] * len(ops)
-        return [None if i in self.tied else f"{self.name}_{chr(ord('a') + i)}" for i in range(len(ops))]
+        return [None if i in self.tied else self.aliases.get(i, f"{self.name}_{chr(ord('a') + i)}")
+                for i in range(len(ops))]
 
     def quantizer_names(self) -> list[str]:
         """The quantizers the site owns: one if shared, else one per operand (``matmul_0_a``, ``matmul_0_b``)
@@ -169,6 +173,7 @@ def find_sites(graph: fx.Graph, tie=None, parent=None, optional: frozenset = fro
         counts[s.rule.kind] = k + 1
         s.name = f"{s.rule.kind}_{k}"
     _tie_to_pools(sites)
+    _share_repeated_operands(sites)
     return sites
 
 
@@ -220,3 +225,24 @@ def _tie_to_pools(sites: list[Site]) -> None:
         for i, op in enumerate(dict.fromkeys(s.operands)):
             if i not in s.tied and op in pools:
                 s.tied[i] = f"{CHILD}.{pools[op].name}"
+
+
+def _share_repeated_operands(sites: list[Site]) -> None:
+    """A tensor that several joins or concats of one forward read is quantized by the first one's quantizer (or
+    what the first one is tied to): one grid for the tensor, so its producer ends in one QuantizeLinear. A DenseNet
+    written with ``torch.cat`` of a growing list concatenates every feature again in each later layer: one
+    quantizer per concat gave a feature as many grids, which coincide under max calibration and otherwise leave
+    the conv that writes it in float (bench.styles' DenseNet style b: 4 of 14 convs)."""
+    first: dict[fx.Node, tuple[Site, int]] = {}
+    for s in sites:
+        if s.rule.kind not in JOIN_KINDS | {"cat"} or s.rule.shared:
+            continue
+        for i, op in enumerate(dict.fromkeys(s.operands)):
+            if op not in first:
+                first[op] = (s, i)
+            elif i not in s.tied:
+                f, j = first[op]
+                if j in f.tied:
+                    s.tied[i] = f.tied[j]
+                else:
+                    s.aliases[i] = f.operand_names()[j]
