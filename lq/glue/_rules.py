@@ -12,7 +12,9 @@ rather than a module. Runtimes keep such an op in INT8 only when its inputs are 
 * ``cat`` -> one quantizer per input, tied like an add's (``QLinearConcat`` takes a scale per input and
   re-scales; onnxruntime's own ``quantize_static`` files do the same). A U-Net's skip tensor is also
   max-pooled into the next encoder conv: tied to that conv's input quantizer, it has one grid, and the conv
-  that writes it fuses. (:class:`lq.nn.QuantCat` keeps one shared quantizer, for TensorRT.)
+  that writes it fuses. A tensor that several concats (or joins) of one forward read takes the first one's
+  quantizer (a DenseNet's ``torch.cat`` of a growing list). (:class:`lq.nn.QuantCat` keeps one shared quantizer,
+  for TensorRT.)
 * ``matmul`` -> one quantizer per operand (``QLinearMatMul`` / ``MatMulInteger`` with two activation
   inputs, e.g. attention scores ``q @ k.transpose(-2, -1)`` and ``attn @ v``).
 * ``pool`` (``F.adaptive_avg_pool2d``, ``F.avg_pool2d``, 1-d and 3-d too) -> one quantizer on the input, as
