@@ -9,6 +9,7 @@ layers (the same in every style), and the other styles' files."""
 
 from __future__ import annotations
 
+import onnx
 import pytest
 import torch
 
@@ -86,8 +87,6 @@ def test_every_style_gets_the_same_integer_kernels(arch, tmp_path):
         # exporter writes as shape arithmetic the export cannot read a whole factor from (a Resize, not an Expand)
         res = export_onnx(model, x[:8], path, fallback_seconds=0, speed_check=False, dynamo=arch == "unet")
         assert res.verified, res.verdict
-        import onnx
-
         copies = [n.name for n in onnx.load(path).graph.node if n.name.endswith("_copy")]
         assert not copies, f"{arch} style {style}: a tensor on two grids, its producer exported twice: {copies}"
         compute = [k for k in res.layer_kernels if k.op in ("Conv", "Gemm", "MatMul")]  # what onnxruntime runs

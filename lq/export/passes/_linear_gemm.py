@@ -110,10 +110,15 @@ _SAME_SHAPE = frozenset({"QuantizeLinear", "DequantizeLinear", "Gelu", "FastGelu
 
 
 #: binary ops whose output has their operands' shape when the operands agree, or one is a scalar
-_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
+ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
 
 
-def _scalar(g: Graph, name: str) -> bool:
+def leading_shape(node) -> bool:
+    """``Shape(x, start=0, end=-1)``: the leading dims a Gemm's unflatten gives back."""
+    return node.op_type == "Shape" and attr(node, "start", 0) == 0 and attr(node, "end") == -1
+
+
+def scalar(g: Graph, name: str) -> bool:
     c = g.const(name)
     return c is not None and c.size == 1
 
@@ -138,10 +143,10 @@ def static_leading_shapes(g: Graph, shapes: dict[str, tuple]) -> int:
             return None
         if p.op_type in _SAME_SHAPE:
             return dims_of(p.input[0], depth + 1)
-        if p.op_type in _ELEMENTWISE and len(p.input) == 2:  # a scalar operand, or two of one shape
-            a, b = (None if _scalar(g, i) else dims_of(i, depth + 1) for i in p.input)
+        if p.op_type in ELEMENTWISE and len(p.input) == 2:  # a scalar operand, or two of one shape
+            a, b = (None if scalar(g, i) else dims_of(i, depth + 1) for i in p.input)
             if a is None or b is None:
-                return a if _scalar(g, p.input[1]) else b if _scalar(g, p.input[0]) else None
+                return a if scalar(g, p.input[1]) else b if scalar(g, p.input[0]) else None
             return a if a[1:] == b[1:] else None
         return None
 
@@ -151,8 +156,7 @@ def static_leading_shapes(g: Graph, shapes: dict[str, tuple]) -> int:
         if concat is None or concat.op_type != "Concat" or len(concat.input) != 2 or len(cons[concat.output[0]]) != 1:
             continue
         lead, n_out = prod.get(concat.input[0]), g.const(concat.input[1])
-        if lead is None or lead.op_type != "Shape" or attr(lead, "start", 0) != 0 or attr(lead, "end") != -1 \
-                or n_out is None:
+        if lead is None or not leading_shape(lead) or n_out is None:
             continue
         dims = dims_of(lead.input[0])
         if dims is None:

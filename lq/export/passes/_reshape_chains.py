@@ -20,14 +20,12 @@ from __future__ import annotations
 import numpy as np
 
 from lq.export._ir import Graph, attr, drop_unread
-from lq.export.passes._linear_gemm import UNFLATTEN
+from lq.export.passes._linear_gemm import ELEMENTWISE, UNFLATTEN, leading_shape, scalar
 
 #: ops that map each element to one element (the decomposed GELU's Erf, the fused Gelu onnxruntime's exporter
 #: writes, the usual activations)
 UNARY = frozenset({"Erf", "Gelu", "FastGelu", "QuickGelu", "Relu", "Sigmoid", "Tanh", "HardSwish", "HardSigmoid",
                    "LeakyRelu", "Identity", "Neg", "Abs", "Exp", "Sqrt", "Softplus"})
-#: elementwise ops whose other operand may be a scalar constant (broadcast to any shape)
-BINARY = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
 
 
 def _static_shape(g: Graph, node) -> bool:
@@ -59,28 +57,28 @@ def _same_grid(g: Graph, dq, q) -> bool:
 def merge_reshape_chains(g: Graph) -> int:
     """Write ``Reshape(Reshape(x, s1), s2)`` as ``Reshape(x, s2)`` where ``s2`` is static and the first reshape
     feeds only the second, also across a ``DequantizeLinear -> Reshape -> QuantizeLinear`` of one grid (the
-    integers are reshaped as they are). Returns how many reshapes it removed."""
+    integers are reshaped as they are). One walk over the reshapes (a longer chain folds into its last one);
+    returns how many reshapes it removed."""
+    prod, cons = g.producers(), g.consumers()
+    gone: set[int] = set()
     removed = 0
-    changed = True
-    while changed:
-        changed = False
-        prod, cons = g.producers(), g.consumers()
-        for b in [n for n in g.nodes if n.op_type == "Reshape" and _static_shape(g, n)]:
-            src = _chain_source(g, prod, cons, b.input[0])
-            if src is None:
-                continue
-            b.input[0], gone = src
-            g.nodes = [n for n in g.nodes if id(n) not in {id(m) for m in gone}]
-            drop_unread(g, lambda m: m.op_type == "DequantizeLinear")
-            removed += sum(m.op_type == "Reshape" for m in gone)
-            changed = True
-            break
+    for b in [n for n in g.nodes if n.op_type == "Reshape" and _static_shape(g, n)]:
+        while (found := _chain_source(g, prod, cons, b.input[0])) is not None:
+            src, dropped = found
+            b.input[0] = src
+            for m in dropped:
+                cons[m.input[0]] = [r for r in cons.get(m.input[0], []) if r is not m]
+            cons.setdefault(src, []).append(b)
+            gone.update(id(m) for m in dropped)
+            removed += sum(m.op_type == "Reshape" for m in dropped)
+    if gone:
+        g.nodes = [n for n in g.nodes if id(n) not in gone]
     return removed
 
 
 def _chain_source(g: Graph, prod: dict, cons: dict, name: str):
     """``(what the second reshape can read instead, the nodes that then go)`` for the value ``name`` a static
-    Reshape reads, or None."""
+    Reshape reads, or None. ``cons``: the readers of each value, kept current by the caller."""
     def only_reader(value: str) -> bool:
         return value not in g.graph_outputs and len(cons.get(value, [])) == 1
 
@@ -97,7 +95,7 @@ def _chain_source(g: Graph, prod: dict, cons: dict, name: str):
     dq = prod.get(a.input[0])
     if dq is None or dq.op_type != "DequantizeLinear" or not _same_grid(g, dq, p):
         return None
-    return dq.input[0], [p, a]
+    return dq.input[0], [p, a] + ([dq] if only_reader(dq.output[0]) else [])  # a DQ nothing else reads goes too
 
 
 def rows_between_gemms(g: Graph) -> int:
@@ -105,21 +103,20 @@ def rows_between_gemms(g: Graph) -> int:
     only by ``Reshape(x, [-1, N])`` (the next Linear's flatten, N the Gemm's output width), drop the unflatten and
     those flattens: the chain computes on the Gemm's ``(rows, N)`` output. Returns how many unflattens it dropped."""
     done = 0
-    prod, cons = g.producers(), g.consumers()
+    prod, cons = g.producers(), g.consumers()  # the Concats _width reads are not rewritten here
     for back in [n for n in g.nodes if n.op_type == "Reshape" and n.name.endswith(UNFLATTEN)]:
         width, lead = _width(g, prod, back)
         found = None if width is None else _elementwise_to_flattens(g, cons, back.output[0], width, lead)
         if found is None:
             continue
         readers, flattens, leads = found
-        g.replace_uses(back.output[0], back.input[0], readers)
-        for f in flattens:
-            g.replace_uses(f.output[0], f.input[0], cons.get(f.output[0], []))
-        for s in leads:  # the next Linear's leading dims: those this unflatten gave
-            g.replace_uses(s.output[0], lead, cons.get(s.output[0], []))
-        gone = {id(back)} | {id(f) for f in flattens} | {id(s) for s in leads}
+        gone = set()
+        for old, new in [(back, back.input[0])] + [(f, f.input[0]) for f in flattens] + [(s, lead) for s in leads]:
+            moved = cons.pop(old.output[0], [])  # the next Linear's leading dims: those this unflatten gave
+            g.replace_uses(old.output[0], new, moved)
+            cons[new] = [m for m in cons.get(new, []) if m is not old] + moved
+            gone.add(id(old))
         g.nodes = [n for n in g.nodes if id(n) not in gone]
-        prod, cons = g.producers(), g.consumers()
         done += 1
     if done:
         drop_unread(g, lambda m: m.op_type in ("Shape", "Concat"))
@@ -147,7 +144,7 @@ def _elementwise_to_flattens(g: Graph, cons: dict, start: str, width: int, lead:
     ``lead``); else None."""
     inside, frontier, flattens, leads = {start}, [start], [], []
     accepted: set[int] = set()
-    waiting: dict[int, object] = {}  # binary ops seen before their other operand joined the chain
+    waiting: set[int] = set()  # binary ops seen before their other operand joined the chain
     while frontier:
         v = frontier.pop()
         if v in g.graph_outputs or not cons.get(v):
@@ -157,7 +154,7 @@ def _elementwise_to_flattens(g: Graph, cons: dict, start: str, width: int, lead:
                 continue
             if n.op_type == "QuantizeLinear" and n.input[0] == v:
                 readers = cons.get(n.output[0], [])
-                shapes = [r for r in readers if lead is not None and _is_leading_shape(r)]
+                shapes = [r for r in readers if lead is not None and leading_shape(r)]
                 if _scalar_param(g, n, 1) is None or len(shapes) == len(readers) or n.output[0] in g.graph_outputs \
                         or not all(r in shapes or _is_flatten(g, r, width) for r in readers):
                     return None
@@ -167,11 +164,11 @@ def _elementwise_to_flattens(g: Graph, cons: dict, start: str, width: int, lead:
                 continue
             if n.op_type in UNARY and n.input[0] == v and len(n.input) == 1:
                 pass
-            elif n.op_type in BINARY and len(n.input) == 2:
-                if not all(i in inside or _is_scalar(g, i) for i in n.input):
-                    waiting[id(n)] = n  # its other operand may come from the chain later
+            elif n.op_type in ELEMENTWISE and len(n.input) == 2:
+                if not all(i in inside or scalar(g, i) for i in n.input):
+                    waiting.add(id(n))  # its other operand may come from the chain later
                     continue
-                waiting.pop(id(n), None)
+                waiting.discard(id(n))
             else:
                 return None
             accepted.add(id(n))
@@ -181,15 +178,6 @@ def _elementwise_to_flattens(g: Graph, cons: dict, start: str, width: int, lead:
     if waiting or not flattens:  # an op also reading something outside the chain
         return None
     return list(cons[start]), flattens, leads
-
-
-def _is_scalar(g: Graph, name: str) -> bool:
-    c = g.const(name)
-    return c is not None and c.size == 1
-
-
-def _is_leading_shape(node) -> bool:
-    return node.op_type == "Shape" and attr(node, "start", 0) == 0 and attr(node, "end") == -1
 
 
 def _is_flatten(g: Graph, node, width: int) -> bool:
