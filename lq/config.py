@@ -159,7 +159,9 @@ class QuantConfig:
             int8): on in :class:`Int8ReduceRangeConfig`.
         activations: also quantize the input of ``nn.SiLU`` and ``nn.Hardswish`` (:mod:`lq.nn.modules.quant_activation`),
             so the conv before them runs integer and they run as one float kernel between Q/DQ (SiLU as
-            onnxruntime's QuickGelu; not after a 1-3 channel stem that runs in float); ``x * gate`` of two
+            onnxruntime's QuickGelu; not after a 1-3 channel stem that runs in float; a SiLU on a large map,
+            :func:`lq.rules.onnxruntime.ort_gates_silu`, quantizes its gate too and runs as QLinearSigmoid +
+            QLinearMul); ``x * gate`` of two
             activations (squeeze-excite) as QLinearSigmoid/QLinearMul; a conv -> ReLU ->
             BatchNorm gets its output quantizer on the ReLU (the conv runs integer with the ReLU fused); and a conv
             read by PReLU/LeakyReLU gets one too (the activation runs in float between Q/DQ).

@@ -32,7 +32,9 @@ from torch import nn
 from lq import nn as quant_nn
 from lq.glue import _float_region
 from lq.glue._outputs import float_stem
+from lq.rules.onnxruntime import ort_gates_silu
 from lq.nn.modules._utils import DescriptorTypeError, QuantMixin, as_quant_descriptor
+from lq.nn.modules.quant_activation import gate_descriptor
 from lq.nn.modules.tensor_quantizer import iter_quantizers  # (name, TensorQuantizer) for every quantizer
 
 __all__ = [
@@ -580,6 +582,7 @@ def quantize_model(
     region_names: list[str] = []  # the quantizers it leaves out (input quantizers of its modules, output ones)
     argument_pairs: list = []
     unsigned: set[str] = set()
+    call_shapes: dict = {}  # id(module) -> its output's shape on the sample (what size-dependent rules read)
     if glue or unsigned_after_relu or shared_inputs:
         from lq import glue as _glue
         from lq.glue import _argument_ties, _pool_grid, _sibling_ties, _join_ties, _tensor_ties
@@ -587,6 +590,8 @@ def quantize_model(
         graphs: dict = {}
         will_be_quantized = lambda m: isinstance(m, QuantMixin) or id(m) in targets  # noqa: E731
         captured, capture_notes = _captured(model, sample)
+        if captured is not None and activations:
+            call_shapes = captured.output_shapes(model)
         if captured is not None:
             idle = [t.name for t in targets.values() if not captured.ran(t.module)]
             if idle:
@@ -681,6 +686,9 @@ def quantize_model(
         if activations and isinstance(t.new, QuantMixin) and (
                 id(t.module) in region.convs if region is not None else float_stem(t.module)):
             t.new._input_quantizer.disable()  # runs in float on the model's input: lq.glue._float_region
+        if (isinstance(t.new, quant_nn.QuantSiLU) and t.new._input_quantizer.is_enabled
+                and ort_gates_silu(call_shapes.get(id(t.module)))):  # a large map: the gate on the integers too
+            t.new.quantize_gate()
         has_state = any(True for _ in t.module.parameters()) or any(True for _ in t.module.buffers())
         if not has_state and device is not None and isinstance(t.new, QuantMixin):
             for _, q in t.new.iter_quantizers():
@@ -696,6 +704,8 @@ def quantize_model(
             if _matches(path, [pattern]):
                 d = descs.get("input", d)
         d = d if d is not None else quant_nn.QuantAdd.default_quant_desc_input
+        if path.endswith("_gate"):  # an F.silu site's gate (lq.glue._sites.Site.gated): on [0, 1]
+            return gate_descriptor(d)
         return _unsigned_desc(d) if path in unsigned else d
 
     for p in glue_plans:

@@ -253,7 +253,7 @@ class SiLUNet(nn.Module):
 
 
 def test_silu_and_hardswish_quantize_their_input_like_a_hand_written_reference():
-    from lq.nn.modules.quant_activation import QuantHardswish, QuantSiLU
+    from lq.nn.modules.quant_activation import GATE, QuantHardswish, QuantSiLU
     from lq.tensor_quant import fake_tensor_quant
 
     torch.manual_seed(0)
@@ -264,9 +264,84 @@ def test_silu_and_hardswish_quantize_their_input_like_a_hand_written_reference()
         with torch.no_grad():
             torch.testing.assert_close(m(x), want, rtol=0, atol=0)
         assert type(m.to_float()) is cls._float_module
-        # a checkpoint of the version that also quantized the gate loads (the gate's range is dropped)
+        # a checkpoint with a gate range loads: SiLU gets its gate quantizer back, HardSwish drops an old one's
         old = {**m.state_dict(), "_gate_quantizer._amax": torch.tensor(1.0)}
         assert not nn.Sequential(m).load_state_dict({f"0.{k}": v for k, v in old.items()}).unexpected_keys
+        assert (GATE in m._modules) == (cls is QuantSiLU)
+
+
+def test_a_gated_silu_quantizes_its_gate_on_an_unsigned_grid_like_a_hand_written_reference():
+    from lq.nn.modules.quant_activation import QuantSiLU, gate_descriptor
+    from lq.tensor_quant import fake_tensor_quant
+
+    torch.manual_seed(0)
+    x = torch.randn(512) * 3
+    m = QuantSiLU.from_float(nn.SiLU(), quant_desc_input=QuantDescriptor(amax=4.0))
+    d = gate_descriptor(m._input_quantizer.quant_desc)
+    assert d.unsigned and not d.narrow_range and d.num_bits == 8
+    m.quantize_gate(QuantDescriptor(amax=1.0, unsigned=True, narrow_range=False))
+    xq = fake_tensor_quant(x, torch.tensor(4.0), 8, False, False)
+    want = xq * torch.clamp(torch.round(torch.sigmoid(xq) * 255), 0, 255) / 255  # 256 steps on [0, 1]
+    with torch.no_grad():
+        got = m(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert (got - nn.functional.silu(xq)).abs().max() > 0  # the gate is on a grid: not the float SiLU
+    # the checkpoint keeps the gate: a fresh module loads it and computes the same
+    fresh = QuantSiLU.from_float(nn.SiLU(), quant_desc_input=QuantDescriptor(amax=4.0))
+    fresh.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), got, rtol=0, atol=0)
+
+
+class GateNet(nn.Module):
+    """conv -> bn -> SiLU twice, the SiLU written as a module or as ``F.silu`` in a helper."""
+
+    def __init__(self, style):
+        super().__init__()
+        self.style = style
+        self.conv1, self.bn1 = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)  # not a float stem
+        self.conv2, self.bn2 = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+        self.acts = nn.ModuleList([nn.SiLU(), nn.SiLU()] if style == "module" else [])
+        self.head = nn.Conv2d(16, 10, 1)
+
+    def _act(self, h, i):
+        return self.acts[i](h) if self.style == "module" else nn.functional.silu(h)
+
+    def forward(self, x):
+        h = self._act(self.bn1(self.conv1(x)), 0)
+        return self.head(self._act(self.bn2(self.conv2(h)), 1)).mean((2, 3))
+
+
+@pytest.mark.parametrize("style", ["module", "functional"])
+def test_silus_on_large_maps_run_on_the_integers_and_small_ones_in_float(style, tmp_path):
+    pytest.importorskip("onnxruntime")
+    from lq.calibration import calibrate_model
+    from lq.convert import quantize_model
+    from lq.export import export_onnx, optimized_op_counts
+    from lq.rules.onnxruntime import ORT_INT8_SILU_GATE_MIN_ELEMENTS
+
+    from _export_checks import assert_file_matches_pytorch
+
+    counts = {}
+    for side in (16, 64):  # 16 x 16 x 16 = 4K elements per sample, 16 x 64 x 64 = 64K
+        torch.manual_seed(0)
+        x = torch.randn(24, 16, side, side)
+        m = _trained_bn(GateNet(style), x)
+        quantize_model(m, sample=x[:2])
+        gated = 16 * side * side >= ORT_INT8_SILU_GATE_MIN_ELEMENTS
+        gates = [n for n, _ in m.named_modules() if n.endswith("_gate_quantizer") or n.endswith("_gate")]
+        assert len(gates) == (2 if gated else 0), gates
+        with torch.no_grad():
+            calibrate_model(m, list(x[:16].split(8)), method="max")
+        res = export_onnx(m, x[:2], str(tmp_path / f"{side}.onnx"), speed_check=False, fallback_seconds=0)
+        assert_file_matches_pytorch(m, res, x[16:])
+        ops = optimized_op_counts(res.path)
+        if gated:  # the SiLUs' gates run on the codes, as onnxruntime's own quantize_static writes them
+            assert ops.get("QLinearSigmoid") == 2 and ops.get("QLinearMul") == 2 and "QuickGelu" not in ops, ops
+        else:
+            assert ops.get("QuickGelu") == 2 and not {"QLinearSigmoid", "QLinearMul"} & set(ops), ops
+        counts[side] = ops.get("QLinearConv")
+    assert counts[16] == counts[64], counts
 
 
 def test_the_recipe_swaps_silu_and_hardswish_only_when_it_quantizes_activations():

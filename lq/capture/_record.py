@@ -55,6 +55,22 @@ class Capture:
     #: notes for the summary (parameters used by functions outside their module's subtree ...)
     notes: list[str]
 
+    def output_shapes(self, model: nn.Module) -> dict[int, tuple]:
+        """id(module) -> the shape of its first call's output, for the modules the capture saw called by another
+        (each node records the shape of the tensor it holds: ``node.meta["lq_shape"]``)."""
+        modules = dict(model.named_modules())
+        shapes: dict[int, tuple] = {}
+        for mid, graph in self.graphs.items():
+            path = self.names.get(mid)
+            if path is None:
+                continue
+            for n in graph.nodes:
+                if n.op == "call_module" and "lq_shape" in n.meta:
+                    child = modules.get(f"{path}.{n.target}" if path else n.target)
+                    if child is not None:
+                        shapes.setdefault(id(child), n.meta["lq_shape"])
+        return shapes
+
     def ran(self, module: nn.Module) -> bool:
         """``module`` was called, or a function computed its forward on its weight."""
         return self.calls.get(id(module), 0) > 0 or self.names.get(id(module)) in {p for _, p in self.functional_layers}
@@ -139,6 +155,7 @@ class _Recorder(TorchFunctionMode):
         """Make ``node`` (and getitem nodes of it, for sequences and mappings) the holder of ``value``'s tensors."""
         if isinstance(value, torch.Tensor):
             frame.env[id(value)] = node
+            node.meta.setdefault("lq_shape", tuple(value.shape))  # what size-dependent rules read
             self.alive.append(value)
         elif isinstance(value, (list, tuple)):
             for i, v in enumerate(value):

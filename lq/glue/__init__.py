@@ -30,6 +30,7 @@ from lq.glue._rules import (FUNCTIONS, INPUT_QUANTIZER, METHODS, OUTPUT, TIE_THR
 from lq.glue._sites import Site, find_sites
 from lq.glue._trace import trace
 from lq.nn.modules.tensor_quantizer import TensorQuantizer
+from lq.rules.onnxruntime import ort_gates_silu
 
 __all__ = ["GluePlan", "OutputSite", "plan", "GlueQuantized", "GlueQuantizer", "CHILD", "remove", "FUNCTIONS", "METHODS",
            "GlueRule", "is_glue_quantized"]
@@ -329,6 +330,10 @@ def plan(model: nn.Module, selected: Callable[[str], bool], skip: Callable[[nn.M
                                         sloped=SLOPED in optional, act="act" in optional)
         outputs.update((id(o.layer), o) for o in found if o.node is None)
         sites = find_sites(graph, _tie(m, graph, will_be_quantized), m, optional, float_only)
+        if captured is not None:  # the capture knows each tensor's shape: a SiLU on a large map gates in integers
+            for s in sites:
+                s.gated = s.node.target is torch.nn.functional.silu and ort_gates_silu(
+                    s.operands[0].meta.get("lq_shape") if isinstance(s.operands[0], fx.Node) else None)
         sites += [Site(o.node, OUTPUT, [], f"output_{k}") for k, o in enumerate(o for o in found if o.node is not None)]
         layer_calls = _layer_calls(m, graph, will_be_quantized) if captured is not None else {}
         if sites or layer_calls:

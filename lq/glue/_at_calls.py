@@ -46,7 +46,8 @@ class Slot:
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """What happens at one call: ``operands`` quantizes the slots; ``output`` quantizes the result with
+    """What happens at one call: ``operands`` quantizes the slots (``gated``: and computes ``F.silu`` with its
+    gate quantized by ``quantizers[0]``); ``output`` quantizes the result with
     ``quantizers[0]``; ``layer`` calls the module at ``layer`` instead of the function
     (``F.linear(x, self.qkv.weight, self.qkv.bias)`` -> ``self.qkv(x)``); ``attention`` writes
     ``scaled_dot_product_attention`` out with the four ``quantizers`` (q, k, probabilities, v)."""
@@ -229,6 +230,11 @@ def _run(call: Call, module: nn.Module, func, args, kwargs):
             seq = list(holder[where])
             seq[s.item] = quantized(seq[s.item], s.quantizer)
             holder[where] = seq
+    if call.kind == "gated":  # F.silu(x) -> x * q(sigmoid(x)) on the quantized x
+        from lq.nn.modules.quant_activation import gated_silu
+
+        x = new_args[0] if new_args else new_kwargs["input"]
+        return gated_silu(x, module.get_submodule(call.quantizers[0]))
     out = func(*new_args, **new_kwargs)
     if in_place(func) and args and out is not args[0] and not torch.jit.is_tracing():
         # y.add_(x): y itself holds the (quantized) sum. ``y += x`` rebinds y to what is returned anyway, and the

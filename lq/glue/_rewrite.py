@@ -106,7 +106,8 @@ def call_table(sites: list[Site], layer_calls: dict, where=lambda ref: ref) -> d
                 elif isinstance(v, (list, tuple)):
                     slots += [_at_calls.Slot(kwarg, index, j, ref[e]) for j, e in enumerate(v)
                               if isinstance(e, fx.Node) and e in ref]
-        table[key] = _at_calls.Call("operands", slots=tuple(slots))
+        gate = (where(f"{CHILD}.{s.quantizer_names()[-1]}"),) if s.gated else ()
+        table[key] = _at_calls.Call("gated" if s.gated else "operands", slots=tuple(slots), quantizers=gate)
     return table
 
 

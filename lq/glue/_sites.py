@@ -28,6 +28,8 @@ class Site:
     tied: dict[int, str] = dataclasses.field(default_factory=dict)
     #: only the tied operands are quantized (:mod:`lq.glue._join_ties`): one whose tie is dropped stays float
     tied_only: bool = False
+    #: an ``F.silu`` that also quantizes its gate (``<name>_gate``): :func:`lq.nn.modules.quant_activation.gated_silu`
+    gated: bool = False
     #: operand index -> the quantizer of an earlier site of this forward that reads the same tensor
     #: (:func:`_share_repeated_operands`), which quantizes the operand here too
     aliases: dict[int, str] = dataclasses.field(default_factory=dict)
@@ -56,7 +58,8 @@ class Site:
             return [f"{self.name}_{part}" for part in ("q", "k", "probs", "v")]
         if self.rule.kind == "output":
             return [self.name]
-        return list(dict.fromkeys(n for n in self.operand_names() if n is not None))
+        own = list(dict.fromkeys(n for n in self.operand_names() if n is not None))
+        return own + [f"{self.name}_gate"] if self.gated else own
 
 
 def activations(graph: fx.Graph) -> set[fx.Node]:

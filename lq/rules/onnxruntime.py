@@ -78,6 +78,17 @@ ORT_INT8_HEAD_MIN_OUT_CHANNELS = 4
 #: 1.15 vs 1.18 ms (Resize vs Expand) at 4 channels, 1.50 vs 1.40 at 8, 1.39 vs 1.10 at 16, 10.1 vs 8.5 at 64.
 ORT_NHWC_UPSAMPLE_MIN_CHANNELS = 8
 
+#: a SiLU whose input has at least this many elements per sample (a large activation map: 56x56 and more at 16+
+#: channels) also quantizes its gate (:class:`lq.nn.QuantSiLU`, the ``F.silu`` glue sites): onnxruntime then runs it
+#: as ``QLinearSigmoid`` + ``QLinearMul`` on the codes instead of DequantizeLinear + QuickGelu + QuantizeLinear on
+#: floats. bench.styles' EfficientNet-style net, every SiLU after an integer conv gated against none (AMX Xeon, 1
+#: thread, vs the faster plain FP32 file, batch 1 / 8 / 32): at 224x224 (maps of 200K-600K elements) 0.82 / 0.79 /
+#: 0.92x -> 0.97 / 1.13 / 1.53x (quantize_static 0.91 / 1.11 / 1.49x); at 64x64 (12K-49K) 0.67 / 0.79 / 0.87 ->
+#: 0.72 / 0.89 / 1.07x; at 32x32 (4K-16K) 0.68 / 0.70 / 0.80 -> 0.72 / 0.77 / 0.90x. On a Zen 5 (AVX-512 VNNI) at
+#: 32x32 the gated SiLUs ran slower (bench.library's EfficientNet-style net, batch 8: 1.91 ms gated, 1.46 ms
+#: as QuickGelu), so small maps keep the float kernel.
+ORT_INT8_SILU_GATE_MIN_ELEMENTS = 32768
+
 
 def ort_prefers_float_head(out_channels: int) -> bool:
     """Whether a conv writing a model output with this many output channels runs faster in float than as
@@ -89,6 +100,12 @@ def ort_prefers_float_conv(channels_per_group: int, kernel_size=(1,)) -> bool:
     """Whether onnxruntime runs a conv with this many input channels per group and this kernel faster in float."""
     products = channels_per_group * math.prod(kernel_size)
     return channels_per_group < ORT_INT8_CONV_MIN_CHANNELS_PER_GROUP and products < ORT_INT8_CONV_MIN_REDUCTION
+
+
+def ort_gates_silu(shape) -> bool:
+    """Whether a SiLU reading a tensor of ``shape`` (batch first) quantizes its gate for onnxruntime (None: the
+    shape is unknown, the float kernel is kept)."""
+    return shape is not None and len(shape) >= 2 and math.prod(shape[1:]) >= ORT_INT8_SILU_GATE_MIN_ELEMENTS
 
 
 def ort_padded_input_channels(in_channels: int, out_channels: int, groups: int, kernel_size) -> int | None:

@@ -5,7 +5,9 @@ one ``QuickGelu`` kernel, but not where ``x`` is a DequantizeLinear's output (a 
 :class:`lq.nn.QuantSiLU` exports): there the two ops stayed separate, two passes over a float tensor with a
 stored intermediate. ``QuickGelu`` computes ``x * sigmoid(alpha * x)``: the same function. EfficientNet-style net
 of ``bench.library``, batch 8, AVX-512 VNNI: its 31 SiLUs between Q/DQ took 0.32 ms of kernel time as QuickGelu,
-0.80 ms as QLinearSigmoid + QLinearMul (the gate quantized too, as onnxruntime's own files do).
+0.80 ms as QLinearSigmoid + QLinearMul (the gate quantized too, as onnxruntime's own files do). On large maps
+the integer form wins (:data:`lq.rules.onnxruntime.ORT_INT8_SILU_GATE_MIN_ELEMENTS`): those SiLUs are exported
+gated and this pass leaves them alone (their Mul reads a DequantizeLinear, not the Sigmoid).
 (``F.hardswish`` is exported as ONNX's ``HardSwish``, which onnxruntime runs as its HardSigmoid and Mul.)
 """
 
