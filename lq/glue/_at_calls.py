@@ -27,6 +27,7 @@ from torch.nn.modules import module as _module_hooks
 from torch.overrides import TorchFunctionMode
 
 from lq.capture import call_key, in_place
+from lq.nn.modules.quant_activation import gated_silu
 
 ATTR = "_lq_at_calls"
 #: the module the table's paths are relative to, when not the module itself (a container's quantizers are kept by
@@ -231,8 +232,6 @@ def _run(call: Call, module: nn.Module, func, args, kwargs):
             seq[s.item] = quantized(seq[s.item], s.quantizer)
             holder[where] = seq
     if call.kind == "gated":  # F.silu(x) -> x * q(sigmoid(x)) on the quantized x
-        from lq.nn.modules.quant_activation import gated_silu
-
         x = new_args[0] if new_args else new_kwargs["input"]
         return gated_silu(x, module.get_submodule(call.quantizers[0]))
     out = func(*new_args, **new_kwargs)
