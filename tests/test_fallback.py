@@ -108,7 +108,7 @@ def _run(first, groups, ratio_of, budget_s=60.0, try_s=0.0, fail=()):
             raise ValueError("does not verify")
         return repr(sorted(off)).encode(), sorted(off)
 
-    return _fallback.search(_check(first), groups, export, lambda data: _check(ratio_of(eval(data.decode()))),
+    return _fallback.search(_check(first), groups, export, lambda data, below: _check(ratio_of(eval(data.decode()))),
                             budget_s, try_s), calls
 
 
@@ -126,10 +126,11 @@ def test_a_try_that_is_not_faster_is_dropped_and_the_next_builds_on_the_best():
     gain = {"c._input_quantizer": -0.05, "b._input_quantizer": 0.05, "a._input_quantizer": 0.06}
     (record, kept), calls = _run(0.8, _groups("c", "b", "a"), lambda off: 0.8 + sum(gain[q] for q in off))
     c, b, a = "c._input_quantizer", "b._input_quantizer", "a._input_quantizer"
-    # a pass keeps b, then a on top of b; a second pass tries c again on the new base; then every layer
+    # a pass keeps b, then its neighbour a on top of b, then tries c again (b's other neighbour) on the new base;
+    # the next pass would time that same file again (each candidate is timed once); the float model is timed last
     assert calls == [frozenset({c}), frozenset({b}), frozenset({b, a}), frozenset({b, a, c}), frozenset({b, a, c})]
     assert [t.kept for t in record.tries] == [False, True, True, False, False] and record.layers == ["b", "a"]
-    assert record.tries[-1].group.label == _fallback.EVERY
+    assert [t.group.label for t in record.tries] == ["c", "b", "a", "c", _fallback.EVERY]
     assert record.after.ratio == pytest.approx(0.91) and record.stopped == "every group was tried"
     assert "sent 2 layer(s) back to float" in record.note() and "0.91x" in record.note()
 
@@ -157,6 +158,70 @@ def _spread(ratio: float, p25: float, p75: float) -> _timing.SpeedCheck:
                               noisy=p25 < 1.0 < p75 or p75 - p25 > 0.1 * ratio)
 
 
+def test_a_candidate_is_timed_against_the_best_ratio_so_far():
+    """The search hands the timing the best ratio at each try, so a try whose first rounds all fall short of it can
+    stop early: the first file's 0.8x, then 0.85x once b is kept."""
+    gain = {"c._input_quantizer": -0.05, "b._input_quantizer": 0.05, "a._input_quantizer": 0.06}
+    belows = []
+
+    def measure(data, below):
+        belows.append(below)
+        return _check(0.8 + sum(gain[q] for q in eval(data.decode())))
+
+    _fallback.search(_check(0.8), _groups("c", "b", "a"), lambda off: (repr(sorted(off)).encode(), sorted(off)),
+                     measure, 60.0, 0.0)
+    assert belows == pytest.approx([0.8, 0.8, 0.85, 0.91, 0.91])  # the last: the float model
+
+
+def test_the_float_model_replaces_a_slower_file_where_it_reaches_fp32():
+    """The last resort computes what the FP32 file does, so its rounds straddle 1.0: 1.01x in rounds of 0.99-1.03x
+    (noisy, its lower quartile short of what a stage needs) replaces a 0.985x file; a float model timed below FP32
+    does not (noise-sized gains send nothing to float)."""
+    best = _spread(0.985, 0.98, 0.99)
+    assert not _fallback.faster(_spread(1.01, 0.99, 1.03), best)  # as a stage it would not be kept
+    for every, want in ((_spread(1.01, 0.99, 1.03), True), (_spread(0.995, 0.97, 1.02), False)):
+        def measure(data, below, every=every):
+            n = len(eval(data.decode()))
+            return best if n == 1 else every if n == 3 else _check(0.9)
+
+        record, kept = _fallback.search(_check(0.8), _groups("c", "b", "a"),
+                                        lambda off: (repr(sorted(off)).encode(), sorted(off)), measure, 60.0, 0.0)
+        assert [t.group.label for t in record.tries] == ["c", "b", "a", _fallback.EVERY]
+        assert record.tries[-1].kept is want
+        assert record.after.ratio == pytest.approx(1.01 if want else 0.985)
+
+
+@pytest.mark.parametrize("ratios, want", [
+    ([0.9, 0.9, 0.9], True),  # three rounds below, median below
+    ([0.9, 0.9, 1.1], False),  # two below
+    ([0.9, 0.9, 0.9, 1.1, 1.1, 1.1, 1.1], False),  # three below, median above
+    ([0.9, 1.1, 0.9, 0.9, 0.99], True),
+    ([1.0, 1.0, 1.0], False),  # at the best ratio is not below it
+])
+def test_hopeless_rounds(ratios, want):
+    int8 = [1.0] * len(ratios)
+    assert _timing.hopeless(int8, ratios, 1.0) is want
+    assert _timing.hopeless([2.0 * q for q in int8], [2.0 * r for r in ratios], 1.0) is want  # ratios, not times
+    assert _timing.hopeless(int8, ratios, None) is False
+
+
+def _tiny_files():
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])
+    data = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]).SerializeToString()
+    return data, [np.ones((1, 4), np.float32)]
+
+
+@pytest.mark.parametrize("below, rounds", [(1e9, 3), (0.0, 11), (None, 11)])
+def test_the_timing_stops_after_three_rounds_that_rule_a_candidate_out(below, rounds):
+    """``below`` above any ratio: three rounds (min_rounds) and out; below any ratio, or none: every round."""
+    data, feeds = _tiny_files()
+    int8_s, fp32_s, _ = _timing.time_rounds(data, data, feeds, rounds=11, budget_s=60.0, min_round_s=0.001,
+                                            below=below)
+    assert len(int8_s) == len(fp32_s) == rounds
+
+
 def test_a_real_gain_in_noisy_rounds_is_kept_and_noise_in_them_is_not():
     """The float model timed 0.99x in rounds of 0.84-1.19x against a best file of 0.84x (0.71-1.01x): its
     lower quartile does not clear the best's median, but its median is far above and its quartile above the
@@ -171,9 +236,11 @@ def test_a_real_gain_in_noisy_rounds_is_kept_and_noise_in_them_is_not():
     # stage c helps (0.84x), b or a on top of it do not (0.80x), the float model does (0.99x, noisy)
     measured = {1: _spread(0.84, 0.71, 1.01), 3: _spread(0.99, 0.84, 1.19)}
     record, kept = _fallback.search(first, _groups("c", "b", "a"), lambda off: (repr(sorted(off)).encode(), sorted(off)),
-                                    lambda data: measured.get(len(eval(data.decode())), _spread(0.80, 0.70, 0.95)),
+                                    lambda data, _: measured.get(len(eval(data.decode())), _spread(0.80, 0.70, 0.95)),
                                     60.0, 0.0)
-    assert [t.kept for t in record.tries] == [True, False, False, False, False, True]
+    # c kept, then b (its neighbour) and a on top of it; the second pass would time those same files again
+    assert [t.kept for t in record.tries] == [True, False, False, True]
+    assert [t.group.label for t in record.tries] == ["c", "b", "a", _fallback.EVERY]
     assert record.tries[-1].group.label == _fallback.EVERY
     assert record.after.ratio == pytest.approx(0.99) and len(kept) == 3
 

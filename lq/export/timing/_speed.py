@@ -57,10 +57,11 @@ class Timer:
         return cls(fp32=fp32, reference=reference, feeds=feeds,
                    batch=cfg.speed_batch or batch_size(prep.tensors, prep.dims), providers=list(providers))
 
-    def measure(self, int8_model: bytes) -> _timing.SpeedCheck:
-        """``int8_model`` against the FP32 file (:func:`lq.export.timing._timing.compare`)."""
+    def measure(self, int8_model: bytes, below: float | None = None) -> _timing.SpeedCheck:
+        """``int8_model`` against the FP32 file (:func:`lq.export.timing._timing.compare`); ``below``: stop early
+        once the first rounds rule out a ratio above it (:func:`lq.export.timing._timing.hopeless`)."""
         return _timing.compare(int8_model, self.fp32, self.feeds, self.providers, batch=self.batch,
-                               reference=self.reference)
+                               reference=self.reference, below=below)
 
 
 _EXPORTERS = {True: "current", False: "legacy"}

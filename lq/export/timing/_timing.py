@@ -135,15 +135,17 @@ def summarize(int8_s: Sequence[float], fp32_s: Sequence[float], *, runs_per_roun
 
 
 def time_rounds(int8_model, fp32_model, feeds, providers=None, *, rounds: int = 11, min_rounds: int = 3,
-                budget_s: float = 2.0, min_round_s: float = 0.025, threads: int = 1
+                budget_s: float = 2.0, min_round_s: float = 0.025, threads: int = 1, below: float | None = None
                 ) -> tuple[list[float], list[float], int]:
     """Seconds per run of each model over up to ``rounds`` interleaved rounds: ``(int8, fp32, runs per round)``.
 
     The models take turns within every round (the order alternating between rounds); a round runs each model
     ``n`` times, ``n`` chosen from the warm-up so that a round of the faster model lasts at least
     ``min_round_s``. Stops once ``budget_s`` seconds are spent and ``min_rounds`` are done, so a large model
-    costs a bounded amount of time. ``int8_model``/``fp32_model``: bytes, a path or an ``onnx.ModelProto``;
-    ``feeds``: arrays in the models' input order.
+    costs a bounded amount of time. ``below``: also stop once ``min_rounds`` are done and the rounds so far rule
+    out a ratio (FP32 over INT8) above it, the fallback's sequential test (:func:`hopeless`).
+    ``int8_model``/``fp32_model``: bytes, a path or an ``onnx.ModelProto``; ``feeds``: arrays in the models' input
+    order.
     """
     sessions = [_verify.make_session(m if isinstance(m, (bytes, str)) else m.SerializeToString(), providers,
                                      intra_op_num_threads=threads) for m in (int8_model, fp32_model)]
@@ -162,9 +164,23 @@ def time_rounds(int8_model, fp32_model, feeds, providers=None, *, rounds: int = 
             for _ in range(n):
                 _verify.run(sessions[i], feeds)
             times[i].append((time.perf_counter() - t0) / n)
-        if r + 1 >= min_rounds and time.perf_counter() - start > budget_s:
+        if r + 1 >= min_rounds and (time.perf_counter() - start > budget_s or hopeless(times[0], times[1], below)):
             break
     return times[0], times[1], n
+
+
+def hopeless(int8_s: Sequence[float], fp32_s: Sequence[float], below: float | None) -> bool:
+    """Whether the rounds so far leave a ratio (FP32 over INT8) that clears ``below`` out of reach (None: never):
+    three of them below it, and their median too. The fallback times a candidate against the best file so far
+    and keeps it only where the lower quartile of its rounds clears the best's ratio, or in noisy rounds its
+    median clears it by 5% (:func:`lq.export.timing._fallback.faster`). After three rounds below, either needs
+    nearly every round still to come far above it, which the rounds of one file on a steady machine do not give;
+    the candidate is dropped without timing it to the end. bench.styles' EfficientNet-style net at 32x32 (AMX
+    Xeon): a dropped candidate took 0.2-0.35 s instead of 0.6 s, and the fallback kept the same stages."""
+    if below is None or len(int8_s) < 3:
+        return False
+    ratios = [f / q for q, f in zip(int8_s, fp32_s)]
+    return sum(r < below for r in ratios) >= 3 and statistics.median(ratios) < below
 
 
 def compare(int8_model, fp32_model, feeds, providers=None, *, batch: int | None = None, reference: str = PLAIN,
