@@ -103,7 +103,7 @@ def test_a_fallback_try_does_not_call_torch_onnx_export_again(tmp_path, monkeypa
                               noisy=False)
     seen = []
 
-    def measure(self, data, below=None):  # every try is slower, so the search tries every group and then every layer off
+    def measure(self, data, below=None):  # every try is slower: the search tries every group, then every layer off
         seen.append(len(data))
         return slow
 

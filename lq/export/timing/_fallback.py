@@ -254,7 +254,7 @@ def disable(model: nn.Module, quantizers: Sequence[str]) -> None:
 
 
 # =========================================================================== the search
-def _neighbours(g: Group, tried: Sequence[Group], place: dict, off: frozenset, failed: set) -> list[Group]:
+def _neighbours(g: Group, tried: Sequence[Group], off: frozenset, failed: set) -> list[Group]:
     """The groups next to ``g`` in the forward (the stages before and after it) that are not float yet. A stage in
     float between integer ones costs a DequantizeLinear and a QuantizeLinear at each end; once one of its
     neighbours is float too, one pair goes, so a stage that did not pay on its own can pay beside one that did
@@ -263,7 +263,7 @@ def _neighbours(g: Group, tried: Sequence[Group], place: dict, off: frozenset, f
     pass over every group."""
     if g.label in (BETWEEN_QDQ, EVERY):  # not a stage: no place in the forward
         return []
-    i = place[g.label]
+    i = tried.index(g)
     return [h for h in (tried[j] for j in (i + 1, i - 1) if 0 <= j < len(tried))
             if h.label != BETWEEN_QDQ and h.label not in failed and not set(h.quantizers) <= off]
 
@@ -323,7 +323,6 @@ def search(first: SpeedCheck, tried: Sequence[Group], export: Callable[[frozense
 
     stopped = None
     pending = list(tried)
-    place = {g.label: i for i, g in enumerate(tried)}
     while pending and stopped is None and best["check"].ratio < 1.0:
         before = best["off"]
         queue = list(pending)
@@ -334,7 +333,7 @@ def search(first: SpeedCheck, tried: Sequence[Group], export: Callable[[frozense
             if stopped:
                 break
             if best["off"] != was:  # kept: its neighbours next, those tried in this pass again (see _neighbours)
-                near = _neighbours(g, tried, place, best["off"], failed)
+                near = _neighbours(g, tried, best["off"], failed)
                 queue = near + [h for h in queue if h not in near]
         if best["off"] == before:  # a pass that kept nothing: another would not either
             break
