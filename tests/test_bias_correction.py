@@ -334,7 +334,8 @@ def test_every_rank_takes_the_same_corrections(monkeypatch, tmp_path):
 def test_the_exports_copy_holds_the_shift_in_its_bias():
     """``fold_into_bias`` (the export's copy): the same outputs from the bias parameter alone, the buffer gone; a
     layer whose quantizers are off keeps its own bias. A fallback try (a copy of the export's copy) that turns a
-    folded layer's quantizers off keeps the corrected bias, as the export's trace it shares holds it."""
+    folded layer's quantizers off gets that layer's own bias back (``unfold_where_float``): it computes what the
+    user's model computes with those quantizers off."""
     x = _digits(64)
     q = _quantized(_net(), x)
     bc.correct_biases(q, [x], default_forward)
@@ -343,16 +344,26 @@ def test_the_exports_copy_holds_the_shift_in_its_bias():
     work.fc._weight_quantizer.disable()  # in float: no shift, its own bias
     with torch.no_grad():
         want = work(x)
-    assert shift.fold_into_bias(work) == 2  # conv1 (no bias of its own before) and conv2
+    folded = shift.fold_into_bias(work)
+    assert set(folded) == {"conv1", "conv2"}  # conv1 had no bias of its own before
     assert not any(shift.BUFFER in k for k in work.state_dict())
     assert torch.equal(work.fc.bias, q.fc.bias)
     assert torch.equal(work.conv1.bias, shift.quant_bias(q.conv1)) and q.conv1.bias is None
     with torch.no_grad():
         torch.testing.assert_close(work(x), want, rtol=0, atol=0)
     tried = copy.deepcopy(work)
+    assert shift.unfold_where_float(tried, folded) == {}  # every folded layer still quantizes
     tried.conv1._input_quantizer.disable()
     tried.conv1._weight_quantizer.disable()
-    assert torch.equal(tried.conv1.bias, shift.quant_bias(q.conv1))
+    user = copy.deepcopy(q)
+    user.conv1._input_quantizer.disable()
+    user.conv1._weight_quantizer.disable()
+    user.fc._input_quantizer.disable()
+    user.fc._weight_quantizer.disable()
+    assert list(shift.unfold_where_float(tried, folded)) == ["conv1"]
+    assert torch.equal(tried.conv1.bias, torch.zeros(8)) and torch.equal(tried.conv2.bias, work.conv2.bias)
+    with torch.no_grad():
+        torch.testing.assert_close(tried(x), user(x), rtol=0, atol=0)
 
 
 class Residual(nn.Module):

@@ -115,3 +115,47 @@ def test_a_fallback_try_does_not_call_torch_onnx_export_again(tmp_path, monkeypa
     assert res.fallback is not None and len(res.fallback.tries) >= 2, res.fallback
     assert all(t.check is not None for t in res.fallback.tries), [t.text() for t in res.fallback.tries]
     assert len(calls) == 1, f"{len(calls)} traces for {len(res.fallback.tries)} tries"
+
+
+def test_a_corrected_layer_sent_to_float_gets_its_own_bias_back_in_the_shared_trace(tmp_path, monkeypatch):
+    """Bias correction's shift corrects a quantization error: a layer the fallback sends to float has none, so the
+    try's file computes that layer with the user's own bias, as the user's model does with its quantizers off
+    (reference: that model in PyTorch), from the shared trace (no second trace)."""
+    torch.manual_seed(0)
+    model = styles.build("resnet", "b").eval()
+    shape = styles.ZOO["resnet"][0]
+    x = torch.randn(8, *shape)
+    quantize_model(model, sample=x)
+    res = calibrate_model(model, [torch.randn(16, *shape) for _ in range(4)], bias_correction=True, progress=False)
+    assert res.bias_correction is not None and res.bias_correction.corrected
+    cfg = _export.export_config(None, None, speed_check=False)
+    prep = _prepare.prepare(model, (x,), cfg)
+    traced = _trace.trace(prep, cfg)
+    order = _fallback.call_order(prep.work, prep.args)
+
+    def sent_to_float(m, layer):
+        out = copy.deepcopy(m)
+        _fallback.disable(out, [q for q in order if q.startswith(layer + ".")])
+        return out
+
+    # a layer whose quantizers all turn off (not one sharing its input's quantizer with a sibling) and whose shift
+    # moves the output: the user's model with the layer in float, and the export's copy with the stale shift
+    for layer in prep.folded_biases:
+        with torch.no_grad():
+            want, wrong = sent_to_float(model, layer)(x).numpy(), sent_to_float(prep.work, layer)(x).numpy()
+        if np.abs(want - wrong).max() > 1e-3:
+            break
+    else:
+        pytest.fail(f"no corrected layer's shift moves the output: {list(prep.folded_biases)}")
+    off = frozenset(q for q in order if q.startswith(layer + "."))
+
+    calls = []
+    monkeypatch.setattr(_trace, "trace", lambda *a, **k: calls.append(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _export._export_without(prep, traced, dataclasses.replace(cfg, path=str(tmp_path / "try.onnx")), off,
+                                      0.0)
+    assert not calls  # the shared trace, its bias initializer rewritten
+    out = _run(got.path, x)
+    np.testing.assert_allclose(out, want, rtol=0, atol=0.05 * np.abs(want).max())
+    assert np.abs(out - want).max() < np.abs(out - wrong).max() / 2  # nearer the user's model than the stale bias

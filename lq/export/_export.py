@@ -36,6 +36,7 @@ from lq.export.timing import _fallback, _float_twin, _speed
 from lq.export.trace import _bypass, _trace
 from lq.export.finish import _finish
 from lq.export.verify import _judge, _no_vnni, _openvino, _runtime_faults, _verify
+from lq.nn.modules import _bias_shift
 
 TARGETS = EXPORT_TARGETS
 __all__ = ["export_onnx", "export_config", "EXPORTERS", "TARGETS", "WEIGHT_FORMATS"]
@@ -232,10 +233,13 @@ def _export_without(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportC
     the fallback allows (:func:`lq.export.timing._fallback.check_fidelity`)."""
     candidate = copy.deepcopy(prep.work)
     _fallback.disable(candidate, sorted(off))
+    restored = _bias_shift.unfold_where_float(candidate, prep.folded_biases)  # float layers: the user's bias
     cand = _prepare.prepare(candidate, prep.args, cfg)
     if fidelity and not prep.calibrated_as_is:  # a model trained since calibration: its float self may differ
         _fallback.check_fidelity(cand.cases[0][1], prep.cases[0][1])
     shared = _bypass.without(traced.proto, prep.work, off) if cfg.dynamo else None
+    if shared is not None and restored:
+        shared = _bypass.with_biases(shared, restored)
     if shared is not None:
         try:
             return _from_trace(cand, dataclasses.replace(traced, proto=shared), cfg, t0, faults_left=faults_left)

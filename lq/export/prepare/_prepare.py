@@ -39,6 +39,8 @@ class Prepared:
     device_type: str  # where the user's model lives ("cuda": verification uses onnxruntime's CUDA provider)
     #: calibrated and not trained since (lq.calib._stamp): with its quantizers off it is the user's own model
     calibrated_as_is: bool = False
+    #: ``{layer path: its bias before bias correction's shift was folded in}`` (:func:`_bias_shift.fold_into_bias`)
+    folded_biases: dict = dataclasses.field(default_factory=dict)
 
 
 def prepare(model, sample_input, cfg: ExportConfig) -> Prepared:
@@ -62,7 +64,8 @@ def prepare(model, sample_input, cfg: ExportConfig) -> Prepared:
     device_type = next((p.device.type for p in model.parameters()), "cpu")
 
     work = copy.deepcopy(model).cpu().float().eval()
-    _bias_shift.fold_into_bias(work)  # bias correction's shifts into the biases: the graph keeps its bias initializers
+    folded = _bias_shift.fold_into_bias(work)  # bias correction's shifts into the biases: the graph keeps its bias
+    # initializers
     for p in work.parameters():
         p.requires_grad_(False)
     ref_out = outputs(work, args)
@@ -90,7 +93,7 @@ def prepare(model, sample_input, cfg: ExportConfig) -> Prepared:
 
     return Prepared(work=work, args=args, cases=cases, tensors=tensors, dims=dims, input_names=input_names,
                     output_names=output_names, opset=opset, device_type=device_type,
-                    calibrated_as_is=_stamp.untouched(model))
+                    calibrated_as_is=_stamp.untouched(model), folded_biases=folded)
 
 
 def outputs(work: torch.nn.Module, inputs: tuple) -> list[np.ndarray]:

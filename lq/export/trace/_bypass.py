@@ -8,9 +8,10 @@ current exporter, most of a try's cost). Every placeholder carries the module pa
 leave out containers that are never called and number repeated calls, so its files are traced again per try (it
 takes a tenth of a second where the current exporter takes seconds).
 
-A layer whose bias holds bias correction's shift keeps it in the copy: the copies are made from the export's own
-model, whose shifts are already part of the biases (:func:`lq.nn.modules._bias_shift.fold_into_bias`), so the
-layer sent to float computes with the corrected bias, as the shared trace does.
+The copies are made from the export's own model, whose bias correction shifts are already part of the biases
+(:func:`lq.nn.modules._bias_shift.fold_into_bias`). A layer sent to float gets its bias from before the fold back
+in the copy (the shift corrects a quantization error that is gone), and :func:`with_biases` writes it into the
+shared trace's initializer of that bias.
 
 Where a placeholder cannot be told apart (no quantizer, or more than one, answers to its path) or what it hands on
 besides its output is read (a ``Quant``'s scale), :func:`without` answers None and the caller traces the copy.
@@ -23,6 +24,7 @@ from collections import defaultdict
 from typing import Iterable
 
 import onnx
+import onnx.numpy_helper
 from torch import nn
 
 from lq.export._ir import _names_inside, all_nodes, layer_name, subgraphs
@@ -80,3 +82,17 @@ def without(proto: onnx.ModelProto, model: nn.Module, off: Iterable[str]) -> onn
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     return out
+
+
+def with_biases(proto: onnx.ModelProto, biases: dict) -> onnx.ModelProto | None:
+    """``proto`` (a copy the caller owns) with the initializer of each ``{layer path: bias}`` (the current exporter
+    names a parameter's initializer by its path, ``<path>.bias``) holding that bias; None where one is not there
+    with that shape (the caller then traces the copy)."""
+    inits = {i.name: i for i in proto.graph.initializer}
+    for path, bias in biases.items():
+        init = inits.get(f"{path}.bias")
+        value = bias.detach().cpu().float().numpy()
+        if init is None or tuple(init.dims) != value.shape or init.data_type != onnx.TensorProto.FLOAT:
+            return None
+        init.CopyFrom(onnx.numpy_helper.from_array(value, init.name))
+    return proto

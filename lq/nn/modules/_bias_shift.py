@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["BUFFER", "bias_shift", "fold_into_bias", "install", "quant_bias", "set_bias_shift", "without"]
+__all__ = ["BUFFER", "bias_shift", "fold_into_bias", "install", "quant_bias", "set_bias_shift", "unfold_where_float",
+           "without"]
 
 BUFFER = "_bias_shift"
 
@@ -48,24 +49,39 @@ def quant_bias(module: nn.Module) -> torch.Tensor | None:
     return shift if module.bias is None else module.bias + shift
 
 
-def fold_into_bias(model: nn.Module) -> int:
+def fold_into_bias(model: nn.Module) -> dict[str, torch.Tensor]:
     """In an export's own copy of the model: each quantizing layer's shift added into its bias parameter (made where
     it had none), the buffer dropped. The traced graph then reads the layer's bias initializer as the uncorrected
-    model's does (the export's passes find their pattern), and the values are the forward's own float32 sum. A
-    layer the fallback later sends to float in a copy of this model keeps the corrected bias (so the fallback's
-    tries share the export's trace). Returns how many layers were folded."""
-    n = 0
-    for m in model.modules():
+    model's does (the export's passes find their pattern), and the values are the forward's own float32 sum.
+    Returns ``{module path: its bias before the fold}`` (zeros where it had none), which :func:`unfold_where_float`
+    puts back in a copy whose layer the fallback sends to float."""
+    folded = {}
+    for name, m in model.named_modules():
         shift = m._buffers.get(BUFFER)
         if shift is None:
             continue
         if _quantizing(m):
             with torch.no_grad():
                 value = quant_bias(m).detach().clone()
+                folded[name] = m.bias.detach().clone() if m.bias is not None else torch.zeros_like(value)
             m._parameters["bias"] = nn.Parameter(value, requires_grad=False)
-            n += 1
         del m._buffers[BUFFER]
-    return n
+    return folded
+
+
+def unfold_where_float(model: nn.Module, folded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """In a copy of a folded model (:func:`fold_into_bias`): each folded layer that no longer quantizes (the
+    fallback turned its quantizers off) gets its bias from before the fold back, so it computes the user's float
+    layer, as the user's model does with those quantizers off (the shift corrects an error that is gone). Returns
+    ``{module path: the bias put back}``."""
+    back = {}
+    for name, bias in folded.items():
+        m = model.get_submodule(name)
+        if not _quantizing(m):
+            with torch.no_grad():
+                m.bias.copy_(bias)
+            back[name] = bias
+    return back
 
 
 def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
