@@ -898,6 +898,12 @@ def run_arch(arch: str, fast: bool, d: str, log, size: int = 32) -> dict:
         if res.fallback is not None:  # what the export's own timing said of the file it saved, and why it stopped
             row["notes"].append(f"style {style}: the export's check of its file: {res.fallback.after.ratio:.2f}x "
                                 f"(first {res.fallback.before.ratio:.2f}x); stopped: {res.fallback.stopped}")
+        if res.batch1_check is not None and (res.batch1_fallback is not None or res.batch1_check.slower):
+            b1 = res.batch1_fallback
+            row["notes"].append(f"style {style}: the export's check at batch 1: {res.batch1_check.ratio:.2f}x"
+                                + (f" (first {b1.before.ratio:.2f}x; tried: "
+                                   + "; ".join(t.text() for t in b1.tries) + f"; stopped: {b1.stopped})"
+                                   if b1 is not None else ""))
         paths[style] = p
         log(f"  {arch} {style}: {row['cost_s'][style]:.1f} s, verified {row['verified'][style]}")
     for k, p in paths.items():

@@ -551,7 +551,8 @@ class ExportConfig:
         keep_metadata: keep the exporter's per-node metadata (PyTorch stack traces, module names).
         speed_check: time the file against the plain FP32 export of the same model (onnxruntime, verified).
         speed_batch: the batch size at which the export's speed check times the INT8 file against the plain FP32
-            export of the same model (None: the sample batch's size).
+            export of the same model (None: the sample batch's size, and where that is above 1 and the batch axis
+            dynamic, batch 1 too: the fallback then also searches there, keeping nothing slower at the sample's).
         fallback_seconds: where the speed check finds the INT8 file slower than FP32, the seconds the export may
             spend exporting, verifying and timing copies with layers sent back to float, to save the fastest
             (0: keep the file and only warn).

@@ -13,7 +13,7 @@ COLUMNS = ("quantizer", "bits", "axis", "amax", "method", "state")
 KERNEL_COLUMN = "onnxruntime kernel"
 #: why a layer the export's measured fallback sent back to float is float (lq.export.timing._fallback)
 FALLBACK_REASON = ("sent back to float after timing: the file with its quantizers ran at {fb.before.ratio:.2f}x FP32, "
-                   "the file kept runs at {fb.after.ratio:.2f}x")
+                   "the file kept runs at {fb.after.ratio:.2f}x (at batch {fb.after.batch})")
 
 
 def columns(rows: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
@@ -53,7 +53,7 @@ def kernel_rows(result) -> list[tuple[str, str, str, str]]:
         key = (k.layer, k.op, k.kernel, k.reason or "")
         counts[key] = counts.get(key, 0) + 1
     rows = [(layer, op, kernel if n == 1 else f"{kernel} x{n}", why) for (layer, op, kernel, why), n in counts.items()]
-    return rows + [(layer, "-", "float", FALLBACK_REASON.format(fb=result.fallback))
+    return rows + [(layer, "-", "float", FALLBACK_REASON.format(fb=result.fallback_kept))
                    for layer in getattr(result, "float_fallback", [])]
 
 

@@ -281,18 +281,28 @@ def _quantized_gemm(proto: onnx.ModelProto) -> bool:
                and n.input[1] not in inits for n in proto.graph.node)
 
 
-def _cost_model(monkeypatch, fp32_ms=1.5, slow_head_ms=1.0):
-    """Round times from the file: the INT8 file takes 1 ms, plus ``slow_head_ms`` when its head is quantized."""
-    timed = []
+class _Timed(list):
+    """Whether the head was quantized in each INT8 file timed at the sample's batch; ``batch1``: the same at batch 1."""
+
+    batch1: list
+
+
+def _cost_model(monkeypatch, fp32_ms=1.5, slow_head_ms=1.0, batch1=None):
+    """Round times from the file: the INT8 file takes 1 ms, plus ``slow_head_ms`` when its head is quantized; at
+    batch 1 ``batch1 = (fp32_ms, slow_head_ms)`` instead where given."""
+    timed = _Timed()
+    timed.batch1 = []
 
     def rounds(int8_model, fp32_model, feeds, providers=None, **kw):
         m = onnx.load_from_string(int8_model)
         if not any(n.op_type == "QuantizeLinear" for n in m.graph.node):  # the user's two FP32 files, compared
             return [1e-3] * 5, [1e-3] * 5, 3
         head = _quantized_gemm(m)
-        timed.append(head)
-        t = 1e-3 * (1.0 + (slow_head_ms if head else 0.0))
-        return [t] * 5, [fp32_ms * 1e-3] * 5, 3
+        one = feeds[0].shape[0] == 1
+        (timed.batch1 if one else timed).append(head)
+        fp32, slow = batch1 if one and batch1 is not None else (fp32_ms, slow_head_ms)
+        t = 1e-3 * (1.0 + (slow if head else 0.0))
+        return [t] * 5, [fp32 * 1e-3] * 5, 3
 
     monkeypatch.setattr(_timing, "time_rounds", rounds)
     return timed
@@ -312,7 +322,7 @@ def test_a_slower_file_is_replaced_by_the_copy_timing_says_is_faster(tmp_path, m
     assert res.float_fallback == ["head"] and res.fallback.before.ratio == pytest.approx(0.75)
     assert res.speed_check.ratio == pytest.approx(1.5) and res.speedup == pytest.approx(1.5)
     assert "sent 1 layer(s) back to float" in " ".join(res.warnings)
-    assert "sent back to float after timing (0.75x -> 1.50x): head" in res.summary()
+    assert "sent back to float after timing (0.75x -> 1.50x at batch 4): head" in res.summary()
     row = next(r for r in report.kernel_rows(res) if r[0] == "head")
     assert row[2] == "float" and "sent back to float after timing" in row[3] and "0.75x" in row[3]
     assert res.kernel_of("head") == "float (sent back to float after timing)"
@@ -482,3 +492,74 @@ def test_the_callback_warns_when_layers_went_back_to_float(monkeypatch, tmp_path
     with pytest.warns(UserWarning, match="sent 1 layer\\(s\\) back to float") as caught:
         cb.run(SimpleNamespace(default_root_dir=str(tmp_path)), model)
     assert not any("an ordinary note" in str(w.message) for w in caught)
+
+
+# =========================================================================== the search at batch 1
+def test_the_batch_one_search_starts_from_the_kept_file_and_keeps_nothing_slower_at_the_checks_batch():
+    """At batch 1 turning off c or a is faster; at the check's batch c costs (1.2x -> 1.05x) and a does not. The
+    search starts from the file a search before it kept (b float), refuses c (said so), keeps a, and its record
+    names every float layer, b first."""
+    base = _fallback.Fallback(layers=["b"], quantizers=["b._input_quantizer"], before=_check(0.9), after=_check(1.2),
+                              tries=[], stopped="")
+    at_one = {"c._input_quantizer": 0.1, "a._input_quantizer": 0.1}
+    at_sample = {"c._input_quantizer": -0.15, "a._input_quantizer": 0.0}
+    sample_timed = []
+
+    def at_check_batch(data):
+        off = eval(data.decode())
+        sample_timed.append(off)
+        return _check(1.2 + sum(at_sample.get(q, 0.0) for q in off))
+
+    guard = _fallback.batch_guard(_check(1.2), at_check_batch)
+    record, kept = _fallback.search(
+        _check(0.85), _groups("c", "a"), lambda off: (repr(sorted(off)).encode(), sorted(off)),
+        lambda data, below: _check(0.85 + sum(at_one.get(q, 0.0) for q in eval(data.decode()))), 60.0, 0.0,
+        base=base, guard=guard)
+    c, a, b = "c._input_quantizer", "a._input_quantizer", "b._input_quantizer"
+    assert [(t.group.label, t.kept) for t in record.tries][:2] == [("c", False), ("a", True)]
+    assert "faster but not kept: 1.05x" in record.tries[0].text()
+    assert kept == sorted([b, a]) and record.layers == ["b", "a"] and record.started_from == ["b"]
+    assert sample_timed[:2] == [sorted([b, c]), sorted([b, a])]  # only tries faster at batch 1 are timed there
+    assert guard.best().ratio == pytest.approx(1.2)
+    assert "the file with 1 layer(s) in float ran at 0.85x" in record.note()
+
+
+def test_the_guard_refuses_what_falls_below_fp32_at_the_checks_batch_and_lets_noise_through():
+    guard = _fallback.batch_guard(_check(1.02), lambda data: _check(float(data)))
+    assert guard(b"0.99")  # below FP32 where the best was not
+    assert guard(b"1.01") is None and guard.best().ratio == pytest.approx(1.01)  # within the best's rounds
+    assert guard(b"0.9")
+
+
+def test_a_file_slower_only_at_batch_1_gets_the_batch_one_search(tmp_path, monkeypatch):
+    """At the sample's batch (4) the file is faster than FP32 with its head quantized (1.5 ms against 1.0); at batch
+    1 slower (0.75x), where the head in float is faster. Where the head in float is not slower at batch 4 the copy is
+    kept; where it is, the file stays and a note says so. The user's model keeps its quantizers."""
+    x = torch.randn(4, 3, 16, 16)
+    model = _quantized(x)
+    before = _enabled(model)
+    # batch 4: head quantized 1.5 ms / 1.0 ms = 1.5x; head float 1.5 / 1.0 = 1.5x too (slow_head_ms=0)
+    timed = _cost_model(monkeypatch, fp32_ms=1.5, slow_head_ms=0.0, batch1=(1.5, 1.0))
+    res = export_onnx(model, x, tmp_path / "m.onnx")
+    assert res.fallback is None and res.batch1_fallback is not None
+    assert res.float_fallback == ["head"] and res.batch1_check.ratio == pytest.approx(1.5)
+    assert res.speed_check.batch == 4 and res.speed_check.ratio == pytest.approx(1.5)
+    assert timed.batch1[0] is True and timed.batch1[-1] is False  # the file, then the copy with the head float
+    assert not _quantized_gemm(onnx.load(str(tmp_path / "m.onnx")))
+    assert "speed at batch 1: 1.50x" in res.summary() and "at batch 1): head" in res.summary()
+    row = next(r for r in report.kernel_rows(res) if r[0] == "head")
+    assert row[2] == "float" and "0.75x" in row[3] and "at batch 1" in row[3]
+    assert _enabled(model) == before
+
+    # now the head in float costs at batch 4 (3.0x quantized against 2.0x float): refused, the file stays
+    _cost_model(monkeypatch, fp32_ms=2.0, slow_head_ms=-1 / 3, batch1=(1.5, 1.0))
+    res = export_onnx(model, x, tmp_path / "n.onnx")
+    assert res.float_fallback == [] and res.batch1_check.ratio == pytest.approx(0.75)
+    assert any(t.refused for t in res.batch1_fallback.tries)
+    assert _quantized_gemm(onnx.load(str(tmp_path / "n.onnx")))
+    assert any("at batch 1 the file runs at 0.75x" in w and "kept nothing faster there" in w for w in res.warnings)
+
+    # a batch the user names is the one batch the check times
+    timed = _cost_model(monkeypatch, fp32_ms=1.5, slow_head_ms=0.0, batch1=(1.5, 1.0))
+    res = export_onnx(model, x, tmp_path / "o.onnx", speed_batch=4)
+    assert res.batch1_check is None and res.batch1_fallback is None and timed.batch1 == []

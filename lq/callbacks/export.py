@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lq.config import ExportConfig, coerce
+from lq.export.timing._speed import BATCH_ONE_SLOWER
 
 
 class ExportFailed(RuntimeError):
@@ -134,9 +135,11 @@ class QuantExport(L.Callback):
 
             report.print_rich(report.kernel_table(result))
         for w in getattr(result, "warnings", []):  # layers left float, re-encoded weights, opset ...
-            slower = speed is not None and speed < 1.0 and w.startswith("the INT8 file runs at")
-            fallback = getattr(result, "fallback", None)
-            if slower or (fallback is not None and w == fallback.note()):
+            slower = (speed is not None and speed < 1.0 and w.startswith("the INT8 file runs at")) or \
+                w.startswith(BATCH_ONE_SLOWER)
+            notes = [r.note() for r in (getattr(result, "fallback", None), getattr(result, "batch1_fallback", None))
+                     if r is not None]
+            if slower or w in notes:
                 # the INT8 file is slower than FP32, or layers went back to float in it: nobody should miss that
                 rank_zero_warn(f"lq export: {w}")
             else:

@@ -137,11 +137,12 @@ class _Stages:
     def __init__(self, shown: lq_progress.Step | None, t0: float):
         self.shown, self.seconds, self._t = shown, {}, t0
 
-    def done(self, name: str) -> None:
+    def done(self, name: str, advance: bool = True) -> None:
+        """``name`` ended (its seconds add up); ``advance=False``: a stage run again (batch 1) moves no bar."""
         now = time.perf_counter()
         self.seconds[name] = self.seconds.get(name, 0.0) + now - self._t
         self._t = now
-        if self.shown is not None:
+        if self.shown is not None and advance:
             k = _STAGES.index(name)
             self.shown.advance(description=f"Exporting: {_STAGES[k + 1]}" if k + 1 < len(_STAGES) else None)
 
@@ -201,28 +202,73 @@ def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfi
     speed = _speed.speed_check(data, timer, timing_notes)
     stages.done("speed check")
     notes += timing_notes
-    fallback = None
+    fallback = kept = None
     if speed is not None and speed.clearly_slower and pristine is not None:
         traced = dataclasses.replace(traced, proto=pristine)
         fallback, kept = _fall_back(prep, traced, cfg, providers, timer, speed, kernels, time.perf_counter() - t0,
                                     stages.shown)
         stages.done("fallback")
+    at_one = _batch_one(prep, dataclasses.replace(traced, proto=pristine) if pristine is not None else None, cfg,
+                        providers, timer, speed, kernels, data, fallback, kept, t0, stages)
+    if at_one is not None:
+        check1, fallback1, kept1 = at_one
+        kept = kept1 if kept1 is not None else kept
         if kept is not None:
-            kept.warnings[:0] = timing_notes
-            kept.stage_seconds = dict(stages.seconds)
-            with open(kept.path, "rb") as f:
-                _add_bf16_note(kept.warnings, f.read(), timer)
-            return _warn_if_slower(kept)
+            kept.batch1_check, kept.batch1_fallback = check1, fallback1
+    if kept is not None:
+        kept.warnings[:0] = timing_notes
+        kept.stage_seconds = dict(stages.seconds)
+        with open(kept.path, "rb") as f:
+            _add_bf16_note(kept.warnings, f.read(), timer)
+        if kept.batch1_check is not None and kept.batch1_check.slower:
+            kept.warnings.append(_speed.batch_one_note(kept.batch1_check, kept.batch1_fallback, kept.speed_check))
+        return _warn_if_slower(kept)
     if speed is not None and speed.slower:
         notes.append(_speed.slower_note(speed, proto, kernels))
     if fallback is not None:
         notes.append(fallback.note())
     if speed is not None:
         _add_bf16_note(notes, data, timer)
+    check1, fallback1 = (at_one[0], at_one[1]) if at_one is not None else (None, None)
+    if check1 is not None and check1.slower:
+        notes.append(_speed.batch_one_note(check1, fallback1, speed))
     res = _report.result(proto, cfg, opset, prep, rewrite, verified, providers, ort_ops, kernels, speed, notes,
                          export_seconds, stages.seconds)
-    res.fallback = fallback
+    res.fallback, res.batch1_check, res.batch1_fallback = fallback, check1, fallback1
     return _warn_if_slower(res)
+
+
+def _batch_one(prep, traced, cfg: ExportConfig, providers, timer: _speed.Timer, speed, kernels, data: bytes, fallback,
+               kept, t0: float, stages: _Stages):
+    """Where the speed check ran at a larger batch (the sample's), the file kept so far timed at batch 1 too, and
+    where it is clearly slower there, the fallback's search again at batch 1 from that file, keeping only what is not
+    slower at the check's own batch (:func:`lq.export.timing._fallback.batch_guard`), within what is left of
+    ``fallback_seconds``. ``(check at batch 1 of the file kept, the search's record or None, the result of the file
+    it kept or None)``; None where batch 1 is not timed."""
+    timer1 = timer.at_batch_one(prep, cfg) if speed is not None else None
+    if timer1 is None:
+        return None
+    at_sample = kept.speed_check if kept is not None else speed
+    current = data
+    if kept is not None:
+        with open(kept.path, "rb") as f:
+            current = f.read()
+    check1 = _speed.speed_check(current, timer1, [])
+    stages.done("speed check", advance=False)
+    left = cfg.fallback_seconds - stages.seconds.get("fallback", 0.0)  # the budget is the fallback's, both searches
+    if (check1 is None or not check1.clearly_slower or at_sample is None or at_sample.slower or traced is None
+            or left <= 0):
+        return check1, None, None
+    guard = _fallback.batch_guard(at_sample, timer.measure)
+    record, res = _fall_back(prep, traced, dataclasses.replace(cfg, fallback_seconds=left), providers, timer1,
+                             check1, kernels, time.perf_counter() - t0, stages.shown,
+                             base=fallback if kept is not None else None, guard=guard)
+    stages.done("fallback", advance=False)
+    if res is None:
+        return check1, record, None
+    res.speed_check, res.speedup = guard.best(), guard.best().ratio  # the check's own batch: as the user exported
+    res.fallback = fallback  # the search at the check's batch (None: it did not run); this one is batch1_fallback
+    return record.after, record, res
 
 
 def _export_without(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfig, off, t0: float,
@@ -300,8 +346,8 @@ def _warn_if_slower(res: ExportResult) -> ExportResult:
 
 
 def _fall_back(prep, traced, cfg: ExportConfig, providers: list, timer: _speed.Timer, first, kernels: list,
-               try_s: float, shown: lq_progress.Step | None = None
-               ) -> tuple[_fallback.Fallback, ExportResult | None]:
+               try_s: float, shown: lq_progress.Step | None = None, base: _fallback.Fallback | None = None,
+               guard=None) -> tuple[_fallback.Fallback, ExportResult | None]:
     """The measured fallback (:mod:`lq.export.timing._fallback`): copies of the model with groups of quantizers
     off, each exported, verified against itself and timed against the same FP32 file. Returns the search's
     record and the result of the copy kept, its file saved at ``cfg.path`` (None: the first file stays).
@@ -327,7 +373,8 @@ def _fall_back(prep, traced, cfg: ExportConfig, providers: list, timer: _speed.T
             with open(res.path, "rb") as f:
                 return f.read(), res
 
-        record, kept = _fallback.search(first, groups, export, timer.measure, cfg.fallback_seconds, try_s)
+        record, kept = _fallback.search(first, groups, export, timer.measure, cfg.fallback_seconds, try_s, base=base,
+                                        guard=guard)
         if kept is None:
             return record, None
         res = kept

@@ -83,14 +83,28 @@ class ExportResult:
     output_checks: list[_verify.OutputCheck] = dataclasses.field(default_factory=list)
     verdict: str | None = None
     fallback: Fallback | None = None
+    #: where ``speed_check`` ran at a larger batch the user did not name (the sample's) and the batch axis is dynamic:
+    #: the saved file timed at batch 1 against the same FP32 file (None: not timed)
+    batch1_check: _timing.SpeedCheck | None = None
+    #: where the file was clearly slower than FP32 at batch 1, the fallback's search there, keeping only what is not
+    #: slower at ``speed_check``'s batch (None: it did not run)
+    batch1_fallback: Fallback | None = None
     #: seconds per stage of the export (prepare, trace, rewrite, verify, report, fp32 reference, speed check,
     #: fallback), in the order they ran
     stage_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def float_fallback(self) -> list[str]:
-        """The layers the measured fallback sent back to float in the file (empty when it kept none)."""
-        return list(self.fallback.layers) if self.fallback is not None else []
+        """The layers the measured fallback sent back to float in the file (empty when it kept none): the batch-1
+        search's where it kept some (they include the first search's), else the first search's."""
+        record = self.fallback_kept
+        return list(record.layers) if record is not None else []
+
+    @property
+    def fallback_kept(self) -> Fallback | None:
+        """The search whose file was saved: the batch-1 search's where it kept one, else the first search's (None:
+        neither kept one)."""
+        return next((r for r in (self.batch1_fallback, self.fallback) if r is not None and r.layers), None)
 
     @property
     def verified(self) -> bool:
@@ -155,11 +169,15 @@ class ExportResult:
             lines.append(f"  layers on integer kernels: {n_int} of {len(self.layer_kernels)}")
         if self.speed_check is not None:
             lines.append(f"  speed: {self.speed_check}")
+        if self.batch1_check is not None:
+            lines.append(f"  speed at batch 1: {self.batch1_check}")
         if self.stage_seconds:
             lines.append("  seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in self.stage_seconds.items()))
-        if self.float_fallback:
-            lines.append(f"  sent back to float after timing ({self.fallback.before.ratio:.2f}x -> "
-                         f"{self.fallback.after.ratio:.2f}x): {', '.join(self.float_fallback)}")
+        record = self.fallback_kept
+        if record is not None:
+            lines.append(f"  sent back to float after timing ({record.before.ratio:.2f}x -> {record.after.ratio:.2f}x"
+                         f"{f' at batch {record.after.batch}' if record.after.batch is not None else ''}): "
+                         f"{', '.join(self.float_fallback)}")
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)

@@ -83,13 +83,16 @@ class Try:
     kept: bool
     error: str = ""
     seconds: float = 0.0
+    #: faster, but refused by the search's guard (slower at the batch it guards), and why
+    refused: str = ""
 
     def text(self) -> str:
         what = f"{self.group.label} ({len(self.group.layers)} layer(s))"
         if self.check is None:
             return f"{what}: not usable ({self.error})"
-        return (f"{what}: {self.check.ratio:.2f}x (per-round {self.check.ratio_p25:.2f}-{self.check.ratio_p75:.2f}x)"
-                f"{', kept' if self.kept else ', not faster'}")
+        verdict = ", kept" if self.kept else (f", faster but not kept: {self.refused}" if self.refused else
+                                               ", not faster")
+        return f"{what}: {self.check.ratio:.2f}x (per-round {self.check.ratio_p25:.2f}-{self.check.ratio_p75:.2f}x){verdict}"
 
 
 @dataclasses.dataclass
@@ -102,6 +105,8 @@ class Fallback:
         quantizers: their quantizers, as module paths of the model.
         before: the speed check of the file with every quantizer; after: that of the file kept.
         tries: every candidate, in order. stopped: why the search ended.
+        started_from: the layers already float in the file the search started from (a search before it kept
+            them; ``layers`` includes them).
     """
 
     layers: list[str]
@@ -110,21 +115,25 @@ class Fallback:
     after: SpeedCheck
     tries: list[Try]
     stopped: str
+    started_from: list[str] = dataclasses.field(default_factory=list)
 
     def note(self) -> str:
         """One warning: what was measured, what went back to float (or that nothing did), and why it stopped."""
         tried = "; ".join(t.text() for t in self.tries) or "nothing"
+        at = f" at batch {self.before.batch}" if self.before.batch is not None else ""
+        start = f"the file with {len(self.started_from)} layer(s) in float" if self.started_from else \
+            "the file with every quantizer"
         if self.layers:
             shown = ", ".join(self.layers[:12]) + (f" and {len(self.layers) - 12} more" if len(self.layers) > 12
                                                    else "")
-            head = (f"the file with every quantizer ran at {self.before.ratio:.2f}x the speed of FP32, so lq sent "
+            head = (f"{start} ran at {self.before.ratio:.2f}x the speed of FP32{at}, so lq sent "
                     f"{len(self.layers)} layer(s) back to float in the file, where timing said that is faster: {shown}."
                     f" The file now runs at {self.after.ratio:.2f}x ({self.after.details()}) and computes the model "
                     "with those layers' quantizers off (verified so)")
         else:
-            head = (f"the file runs at {self.before.ratio:.2f}x the speed of FP32; lq tried copies with layers back "
-                    "in float and kept none (none was faster, or usable: see each try), so the file keeps every "
-                    "quantizer")
+            head = (f"the file runs at {self.before.ratio:.2f}x the speed of FP32{at}; lq tried copies with layers "
+                    "back in float and kept none (none was faster, or usable: see each try), so the file keeps "
+                    + (f"its {len(self.started_from)} float layer(s)" if self.started_from else "every quantizer"))
         return f"{head}. Tried: {tried}. Stopped: {self.stopped}"
 
 
@@ -247,6 +256,26 @@ def faster(check: SpeedCheck, was: SpeedCheck) -> bool:
     return check.ratio >= 1.0 > was.ratio and not check.noisy
 
 
+def batch_guard(best: SpeedCheck, measure: Callable[[bytes], SpeedCheck]) -> Callable[[bytes], str | None]:
+    """The batch-1 search's guard (:func:`search`): a try faster at batch 1 is timed at the speed check's own batch
+    too (``measure``) and refused where it is slower there than the best file so far (that file's rounds beat it,
+    :func:`faster`) or falls below FP32 where that file was not; one let through becomes the best there
+    (``guard.best()`` gives its check). A file is never made slower at the batch the user exported with to gain at
+    batch 1."""
+    state = {"best": best}
+
+    def guard(data: bytes) -> str | None:
+        check, was = measure(data), state["best"]
+        if faster(was, check) or check.ratio < 1.0 <= was.ratio:
+            at = f" at batch {check.batch}" if check.batch is not None else ""
+            return f"{check.ratio:.2f}x{at}, where the best file runs {was.ratio:.2f}x"
+        state["best"] = check
+        return None
+
+    guard.best = lambda: state["best"]  # type: ignore[attr-defined]
+    return guard
+
+
 def disable(model: nn.Module, quantizers: Sequence[str]) -> None:
     """Turn off these quantizers (module paths) of ``model``."""
     for name in quantizers:
@@ -269,7 +298,8 @@ def _neighbours(g: Group, tried: Sequence[Group], off: frozenset, failed: set) -
 
 
 def search(first: SpeedCheck, tried: Sequence[Group], export: Callable[[frozenset], tuple[bytes, object]],
-           measure: Callable[[bytes, float], SpeedCheck], budget_s: float, try_s: float
+           measure: Callable[[bytes, float], SpeedCheck], budget_s: float, try_s: float, *,
+           base: Fallback | None = None, guard: Callable[[bytes], str | None] | None = None
            ) -> tuple[Fallback, object | None]:
     """Try the groups in order (see the module's docstring); returns the record and what ``export`` gave for the
     file kept (None: the first file stays).
@@ -282,9 +312,14 @@ def search(first: SpeedCheck, tried: Sequence[Group], export: Callable[[frozense
     its speed check against the FP32 file, which may stop once its first rounds rule out a ratio above ``below``,
     the best ratio so far (:func:`lq.export.timing._timing.hopeless`: a try that cannot be kept need not be timed
     to the end). ``try_s``: the expected seconds of one try, until one has been timed.
+
+    ``base``: a search kept before (its float layers are where this one starts: ``first`` times that file).
+    ``guard(bytes)``: asked about a try that would be kept; a reason refuses it (the batch-1 search keeps nothing
+    that is slower at the speed check's own batch, :func:`batch_guard`).
     """
     start = time.perf_counter()
-    best = {"check": first, "off": frozenset(), "payload": None, "layers": []}
+    best = {"check": first, "off": frozenset(base.quantizers) if base else frozenset(), "payload": None,
+            "layers": list(base.layers) if base else []}
     tries: list[Try] = []
     failed: set[str] = set()
     timed: set[frozenset] = set()  # the candidates tried (each is the set of quantizers it has off)
@@ -314,7 +349,9 @@ def search(first: SpeedCheck, tried: Sequence[Group], export: Callable[[frozense
         # the float model computes what the FP32 file does, so its rounds straddle 1.0 by nature: reaching FP32
         # where the best file did not is enough, however noisy (faster() asks a stage for rounds that agree)
         keep = faster(check, was) or (g.label == EVERY and check.ratio >= 1.0 > was.ratio)
-        tries.append(Try(g, check, keep, seconds=time.perf_counter() - t0))
+        refused = guard(data) if keep and guard is not None else None
+        keep = keep and not refused
+        tries.append(Try(g, check, keep, seconds=time.perf_counter() - t0, refused=refused or ""))
         try_s = time.perf_counter() - t0
         if keep:
             best.update(check=check, off=off, payload=payload,
@@ -349,5 +386,6 @@ def search(first: SpeedCheck, tried: Sequence[Group], export: Callable[[frozense
                    if best["check"].ratio >= 1.0 else "every group was tried")
     kept = best["payload"] is not None
     record = Fallback(layers=best["layers"] if kept else [], quantizers=sorted(best["off"]) if kept else [],
-                      before=first, after=best["check"], tries=tries, stopped=stopped)
+                      before=first, after=best["check"], tries=tries, stopped=stopped,
+                      started_from=list(base.layers) if base else [])
     return record, best["payload"]

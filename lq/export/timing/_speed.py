@@ -57,6 +57,14 @@ class Timer:
         return cls(fp32=fp32, reference=reference, feeds=feeds,
                    batch=cfg.speed_batch or batch_size(prep.tensors, prep.dims), providers=list(providers))
 
+    def at_batch_one(self, prep: Prepared, cfg: ExportConfig) -> "Timer | None":
+        """The same FP32 file timed at batch 1, where the check runs at a larger batch the user did not name and the
+        file's batch axis is dynamic (batch 1 is where Q/DQ conversions cost most against the work they save: the
+        export's batch-1 search, :func:`lq.export.timing._fallback.batch_guard`); None otherwise."""
+        if cfg.speed_batch is not None or self.batch in (None, 1) or not any("batch" in d.values() for d in prep.dims):
+            return None
+        return dataclasses.replace(self, feeds=_timing.batch_feeds(prep.tensors, prep.dims, 1), batch=1)
+
     def measure(self, int8_model: bytes, below: float | None = None) -> _timing.SpeedCheck:
         """``int8_model`` against the FP32 file (:func:`lq.export.timing._timing.compare`); ``below``: stop early
         once the first rounds rule out a ratio above it (:func:`lq.export.timing._timing.hopeless`)."""
@@ -123,3 +131,22 @@ def slower_note(check: _timing.SpeedCheck, proto: onnx.ModelProto, kernels: list
                "or QuantLSTM.set_runtime_dynamic) runs them as onnxruntime's fused DynamicQuantizeLSTM"
                if loops else "")
             + (f". The measurement is noisy: {check.noise}" if check.noisy else ""))
+
+
+#: how the note on a file slower at batch 1 begins (the callback warns on it)
+BATCH_ONE_SLOWER = "at batch 1 the file runs at"
+
+
+def batch_one_note(check: _timing.SpeedCheck, fallback, at_sample: _timing.SpeedCheck | None) -> str:
+    """The note for a file slower than FP32 at batch 1: the measurement, and what the batch-1 search (``fallback``,
+    None where it did not run) did; ``at_sample``: the file's check at the speed check's own batch."""
+    if fallback is not None:
+        why = "the fallback's search at batch 1 kept nothing faster there that was not slower at the check's batch"
+    elif at_sample is not None and at_sample.slower:
+        why = "it is slower at the check's own batch too, where the fallback searches first"
+    elif not check.clearly_slower:
+        why = "in too few rounds to search (the upper quartile of the rounds reaches 1.0)"
+    else:
+        why = "the fallback did not search at batch 1 (fallback_seconds spent, or 0)"
+    return (f"{BATCH_ONE_SLOWER} {check.ratio:.2f}x the speed of {check.reference} ({check.details()}): "
+            f"{why}; export with speed_batch=1 to make batch 1 the batch the file must not be slower at")
