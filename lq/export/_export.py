@@ -220,8 +220,8 @@ def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfi
         kept.stage_seconds = dict(stages.seconds)
         with open(kept.path, "rb") as f:
             _add_bf16_note(kept.warnings, f.read(), timer)
-        if kept.batch1_check is not None and kept.batch1_check.slower:
-            kept.warnings.append(_speed.batch_one_note(kept.batch1_check, kept.batch1_fallback, kept.speed_check))
+        if _speed.only_batch_one_slower(kept.speed_check, kept.batch1_check):
+            kept.warnings.append(_speed.batch_one_note(kept.batch1_check, kept.batch1_fallback))
         return _warn_if_slower(kept)
     if speed is not None and speed.slower:
         notes.append(_speed.slower_note(speed, proto, kernels))
@@ -230,8 +230,8 @@ def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfi
     if speed is not None:
         _add_bf16_note(notes, data, timer)
     check1, fallback1 = (at_one[0], at_one[1]) if at_one is not None else (None, None)
-    if check1 is not None and check1.slower:
-        notes.append(_speed.batch_one_note(check1, fallback1, speed))
+    if _speed.only_batch_one_slower(speed, check1):
+        notes.append(_speed.batch_one_note(check1, fallback1))
     res = _report.result(proto, cfg, opset, prep, rewrite, verified, providers, ort_ops, kernels, speed, notes,
                          export_seconds, stages.seconds)
     res.fallback, res.batch1_check, res.batch1_fallback = fallback, check1, fallback1
@@ -268,6 +268,8 @@ def _batch_one(prep, traced, cfg: ExportConfig, providers, timer: _speed.Timer, 
         return check1, record, None
     res.speed_check, res.speedup = guard.best(), guard.best().ratio  # the check's own batch: as the user exported
     res.fallback = fallback  # the search at the check's batch (None: it did not run); this one is batch1_fallback
+    if fallback is not None:
+        res.warnings.insert(len(res.warnings) - 1, fallback.note())  # both searches' notes, in the order they ran
     return record.after, record, res
 
 

@@ -137,13 +137,17 @@ def slower_note(check: _timing.SpeedCheck, proto: onnx.ModelProto, kernels: list
 BATCH_ONE_SLOWER = "at batch 1 the file runs at"
 
 
-def batch_one_note(check: _timing.SpeedCheck, fallback, at_sample: _timing.SpeedCheck | None) -> str:
-    """The note for a file slower than FP32 at batch 1: the measurement, and what the batch-1 search (``fallback``,
-    None where it did not run) did; ``at_sample``: the file's check at the speed check's own batch."""
+def only_batch_one_slower(at_sample: _timing.SpeedCheck | None, at_one: _timing.SpeedCheck | None) -> bool:
+    """Whether the file is slower than FP32 at batch 1 but not at the speed check's batch (slower there too, the
+    slower-than-FP32 warning says it already)."""
+    return at_one is not None and at_one.slower and at_sample is not None and not at_sample.slower
+
+
+def batch_one_note(check: _timing.SpeedCheck, fallback) -> str:
+    """The note for a file slower than FP32 at batch 1 though not at the speed check's batch: the measurement, and
+    what the batch-1 search (``fallback``, None where it did not run) did."""
     if fallback is not None:
         why = "the fallback's search at batch 1 kept nothing faster there that was not slower at the check's batch"
-    elif at_sample is not None and at_sample.slower:
-        why = "it is slower at the check's own batch too, where the fallback searches first"
     elif not check.clearly_slower:
         why = "in too few rounds to search (the upper quartile of the rounds reaches 1.0)"
     else:
