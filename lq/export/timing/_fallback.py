@@ -92,7 +92,8 @@ class Try:
             return f"{what}: not usable ({self.error})"
         verdict = ", kept" if self.kept else (f", faster but not kept: {self.refused}" if self.refused else
                                                ", not faster")
-        return f"{what}: {self.check.ratio:.2f}x (per-round {self.check.ratio_p25:.2f}-{self.check.ratio_p75:.2f}x){verdict}"
+        spread = f"per-round {self.check.ratio_p25:.2f}-{self.check.ratio_p75:.2f}x"
+        return f"{what}: {self.check.ratio:.2f}x ({spread}){verdict}"
 
 
 @dataclasses.dataclass
