@@ -203,13 +203,12 @@ def _from_trace(prep: _prepare.Prepared, traced: _trace.Traced, cfg: ExportConfi
     stages.done("speed check")
     notes += timing_notes
     fallback = kept = None
-    if speed is not None and speed.clearly_slower and pristine is not None:
-        traced = dataclasses.replace(traced, proto=pristine)
-        fallback, kept = _fall_back(prep, traced, cfg, providers, timer, speed, kernels, time.perf_counter() - t0,
-                                    stages.shown)
+    unrewritten = dataclasses.replace(traced, proto=pristine) if pristine is not None else None  # the tries' base
+    if speed is not None and speed.clearly_slower and unrewritten is not None:
+        fallback, kept = _fall_back(prep, unrewritten, cfg, providers, timer, speed, kernels,
+                                    time.perf_counter() - t0, stages.shown)
         stages.done("fallback")
-    at_one = _batch_one(prep, dataclasses.replace(traced, proto=pristine) if pristine is not None else None, cfg,
-                        providers, timer, speed, kernels, data, fallback, kept, t0, stages)
+    at_one = _batch_one(prep, unrewritten, cfg, providers, timer, speed, kernels, data, fallback, kept, t0, stages)
     if at_one is not None:
         check1, fallback1, kept1 = at_one
         kept = kept1 if kept1 is not None else kept
