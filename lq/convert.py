@@ -576,16 +576,16 @@ def quantize_model(
     # ---- glue ops in the modules' own forwards (traced, nothing modified)
     glue_plans, glue_outputs, glue_notes = [], [], []
     pool_pairs: list = []
-    sibling_pairs: list = []
     tensor_groups: list = []  # layers reading one tensor through pools and concats (lq.glue._tensor_ties)
     region = None  # what stays float at the model's input (lq.glue._float_region), onnxruntime recipe only
     region_names: list[str] = []  # the quantizers it leaves out (input quantizers of its modules, output ones)
     argument_pairs: list = []
+    one_tensor = None  # the forwards joined (lq.glue._whole), where each tensor's readers get one quantizer
     unsigned: set[str] = set()
     call_shapes: dict = {}  # id(module) -> its output's shape on the sample (what size-dependent rules read)
     if glue or unsigned_after_relu or shared_inputs:
         from lq import glue as _glue
-        from lq.glue import _argument_ties, _pool_grid, _sibling_ties, _join_ties, _tensor_ties
+        from lq.glue import _argument_ties, _pool_grid, _join_ties, _tensor_ties
 
         graphs: dict = {}
         will_be_quantized = lambda m: isinstance(m, QuantMixin) or id(m) in targets  # noqa: E731
@@ -624,8 +624,8 @@ def quantize_model(
                 if whole is not None else _pool_grid.pool_readers(model, graphs, will_be_quantized)
             if shared_inputs and whole is not None:  # and, for OpenVINO, through max pools and concats
                 tensor_groups = _tensor_ties.tensor_groups(whole, will_be_quantized)
-            # and the layers reading one tensor (lq.glue._sibling_ties)
-            sibling_pairs = _sibling_ties.sibling_readers(model, graphs, will_be_quantized)
+            # and every quantizer reading one tensor, in whichever forward (lq.glue._one_tensor)
+            one_tensor = whole if whole is not None else _glue.whole_graph_of(model, graphs)
         if not glue:
             glue_outputs, glue_already, glue_notes = [], [], []
         # a child's join operand and the caller's layer reading the same tensor: one grid (lq.glue._argument_ties)
@@ -726,6 +726,11 @@ def quantize_model(
         if device is not None:
             p.quantizers.to(device)
     glue_plans = [p for p in glue_plans if p.built]
+    tensor_readers: list = []  # every read of one tensor, in whichever forward (lq.glue._one_tensor)
+    if one_tensor is not None:
+        from lq.glue import _one_tensor
+
+        tensor_readers = _one_tensor.reader_groups(one_tensor, glue_plans, will_be_quantized)
     output_quantizers = []
     for o in glue_outputs:
         q = _glue.GlueQuantizer(glue_desc(o.path))
@@ -743,10 +748,10 @@ def quantize_model(
         _tensor_ties.share(tensor_groups, converted)
     if pool_pairs:
         _pool_grid.share(pool_pairs, converted)
-    if sibling_pairs:
-        _sibling_ties.share(sibling_pairs, converted)
     if argument_pairs:
         _argument_ties.share(argument_pairs, converted)
+    if tensor_readers:
+        _one_tensor.share(tensor_readers, converted)
     for o, q in zip(glue_outputs, output_quantizers, strict=True):
         layer = converted(o.layer)
         _glue._outputs.commit(o, layer, q)

@@ -328,7 +328,7 @@ def test_a_layer_computed_once_per_readers_grid_is_one_row(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(8, 4, 16, 16)
     model = _quantized(Fork().eval(), x)
-    assert model.b._input_quantizer is model.a._input_quantizer  # one grid (lq.glue._sibling_ties) ...
+    assert model.b._input_quantizer is model.a._input_quantizer  # one grid (lq.glue._one_tensor) ...
     model.b._input_quantizer = copy.deepcopy(model.a._input_quantizer)
     with torch.no_grad():
         model.b._input_quantizer._max_range.mul_(0.5)  # ... here two readers of the stem's output on two grids

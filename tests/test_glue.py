@@ -609,7 +609,7 @@ class TwoHeads(nn.Module):
 @pytest.mark.parametrize("method", ["max", "auto"])
 def test_layers_reading_one_tensor_share_its_grid_and_its_producer_is_not_copied(tmp_path, method):
     """Each head had its own input quantizer, calibrated apart under ``auto``: two QuantizeLinear on one tensor,
-    and the export ran the refine conv twice (one copy per grid). lq.glue._sibling_ties: one quantizer."""
+    and the export ran the refine conv twice (one copy per grid). lq.glue._one_tensor: one quantizer."""
     pytest.importorskip("onnxruntime")
     import onnx
 

@@ -57,11 +57,6 @@ def _apart(model: torch.nn.Module) -> None:
             m.amax = m.amax * (1 - 0.003 * (len(seen) % 50))
 
 
-#: styles whose tensors still take two grids where calibration does not make them agree: torchvision's
-#: _DenseLayer concatenates its list in its own forward, so one feature is concatenated in several forwards, which
-#: the per-forward sharing (lq.glue._sites._share_repeated_operands) does not join (issue 39). Calibrated by max,
-#: the grids coincide and the file is as style a's, which is what is checked for them
-TWO_GRIDS_ACROSS_FORWARDS = {("densenet", "c")}
 
 
 @pytest.mark.parametrize("arch", list(S.ZOO))
@@ -79,8 +74,7 @@ def test_every_style_gets_the_same_integer_kernels(arch, tmp_path):
         summary = quantize_model(model, sample=x[:4])
         assert not [n for n in summary.notes if "torch.fx" in n], summary.notes  # placed on the capture
         calibrate_model(model, [x[:16], x[16:]], method="max")
-        if (arch, style) not in TWO_GRIDS_ACROSS_FORWARDS:
-            _apart(model)
+        _apart(model)
         path = str(tmp_path / f"{style}.onnx")
         # the legacy exporter: the same kernels as the current one (tests/test_capture.py exports with both), in a
         # tenth of the time; not for the U-Net, whose style c resizes to ``skip.shape[-2:]``, which the legacy

@@ -257,6 +257,14 @@ def whole_graph(model: nn.Module, captured):
     return WholeGraph(model, {k: g for k, g in captured.graphs.items() if k not in captured.varying})
 
 
+def whole_graph_of(model: nn.Module, graphs: dict):
+    """The forwards torch.fx traced one by one (``graphs``, by module id, as :func:`plan` fills them) joined the
+    same way, for a model placed without a sample."""
+    from lq.glue._whole import WholeGraph
+
+    return WholeGraph(model, graphs)
+
+
 def _anchor(model: nn.Module, name: str) -> tuple[str, nn.Module]:
     """The nearest ancestor of the module ``name`` that is not a container (the model itself at the latest)."""
     parts = name.split(".")

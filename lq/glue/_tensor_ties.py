@@ -11,7 +11,7 @@ Here the layers reading a tensor are found on the captured model (:class:`lq.glu
 forwards, through the ops that map a grid onto itself (:func:`lq.glue._rules.ties_through`: max pools, reshapes,
 zero padding, nearest upsampling) and through ``torch.cat``, whose output grid is then every member's: the readers
 of the concatenation and the readers of each member form one group, and the group shares the first layer's input
-quantizer (one module under several names, calibrated on every use, as :mod:`lq.glue._sibling_ties` does). The
+quantizer (one module under several names, calibrated on every use, as :mod:`lq.glue._one_tensor` does). The
 PyTorch model then computes what the file computes once :mod:`lq.export.passes._quantize_first` has moved the
 quantizers in front of those ops: ``Q(maxpool(x)) == maxpool(Q(x))`` and ``Q(cat(a, b)) == cat(Q(a), Q(b))`` for a
 per-tensor grid. onnxruntime's recipe quantizes each concat input itself (:mod:`lq.glue`), so this is OpenVINO's.

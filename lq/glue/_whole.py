@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import operator
+
 import torch.fx as fx
 from torch import nn
 
@@ -77,3 +79,30 @@ class WholeGraph:
         child = module.get_submodule(reader.target)
         inputs = self.inputs(child)
         return (child, inputs[position]) if position < len(inputs) else None
+
+    def origin(self, module: nn.Module, node: fx.Node) -> tuple[nn.Module, fx.Node]:
+        """Where the value ``node`` of ``module``'s forward was made: a placeholder (or an element of a list or tuple
+        passed in, ``inputs[1]``) is followed into the forward's one caller, to the value passed there, until a
+        forward computed it. Two reads of one tensor in different forwards (a DenseNet layer concatenating the
+        list of earlier features its block passes it) then have one origin."""
+        index = []
+        n = node
+        while (n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node)
+               and n.args[0].op in ("placeholder", "call_function")):
+            index.append(n.args[1])
+            n = n.args[0]
+        if n.op != "placeholder" or n.target.startswith("*"):
+            return module, node
+        callers = self.callers_of(module)
+        if not callers or len(callers) != 1:
+            return module, node  # the model's own input, or a forward called from several places
+        parent, call = callers[0]
+        position = self.inputs(module).index(n)
+        value = call.args[position] if position < len(call.args) else call.kwargs.get(n.target)
+        for i in reversed(index):  # the element of the list or tuple the caller passed
+            if not isinstance(value, (list, tuple)) or not isinstance(i, int) or not -len(value) <= i < len(value):
+                return module, node  # indexing a tensor argument, not a list of them: a value of this forward
+            value = value[i]
+        if not isinstance(value, fx.Node):
+            return module, node
+        return self.origin(parent, value)
