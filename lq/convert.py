@@ -625,7 +625,7 @@ def quantize_model(
             if shared_inputs and whole is not None:  # and, for OpenVINO, through max pools and concats
                 tensor_groups = _tensor_ties.tensor_groups(whole, will_be_quantized)
             # and every quantizer reading one tensor, in whichever forward (lq.glue._one_tensor)
-            one_tensor = whole if whole is not None else _glue.whole_graph_of(model, graphs)
+            one_tensor = _glue.whole_graph(model, captured if captured is not None else graphs)
         if not glue:
             glue_outputs, glue_already, glue_notes = [], [], []
         # a child's join operand and the caller's layer reading the same tensor: one grid (lq.glue._argument_ties)

@@ -251,18 +251,21 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 def whole_graph(model: nn.Module, captured):
     """The captured forwards joined across module boundaries (:class:`lq.glue._whole.WholeGraph`); a module whose
-    calls ran different ops is left out (nothing is known of where its values go)."""
+    calls ran different ops is left out (nothing is known of where its values go). ``captured``: a capture, or
+    (a model placed without a sample) the forwards torch.fx traced, by module id, as :func:`plan` fills them."""
     from lq.glue._whole import WholeGraph
 
+    if isinstance(captured, dict):
+        return WholeGraph(model, captured)
     return WholeGraph(model, {k: g for k, g in captured.graphs.items() if k not in captured.varying})
 
 
-def whole_graph_of(model: nn.Module, graphs: dict):
-    """The forwards torch.fx traced one by one (``graphs``, by module id, as :func:`plan` fills them) joined the
-    same way, for a model placed without a sample."""
-    from lq.glue._whole import WholeGraph
-
-    return WholeGraph(model, graphs)
+def first_layer(m: nn.Module) -> nn.Module:
+    """The module that reads ``m``'s input first: ``m`` itself, or the first child of a plain ``nn.Sequential``
+    (nested ones too)."""
+    while _plain_sequential(m) and len(m):
+        m = m[0]
+    return m
 
 
 def _anchor(model: nn.Module, name: str) -> tuple[str, nn.Module]:

@@ -13,9 +13,9 @@ convs once the ranges differ at all).
 
 Here every read is traced back to where the tensor was made (:meth:`lq.glue._whole.WholeGraph.origin`, through
 the arguments and list elements each forward was passed), and all the quantizers that read one origin become one
-module under several names: the first layer input quantizer that may be shared, else the first glue operand's. Calibration then sees every use, PyTorch and the file
-quantize the tensor once. Only quantizers that quantize the same way (bits, sign, range, per tensor, enabled) are
-joined.
+module under several names: the first layer input quantizer that may be shared, else the first glue operand's.
+Calibration then sees every use, PyTorch and the file quantize the tensor once. Only quantizers that quantize the
+same way (bits, sign, range, per tensor, enabled) are joined.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class LayerSlot:
 def reader_groups(whole, plans: list, will_be_quantized) -> list[list]:
     """Groups (two or more, first read first) of the quantizer slots that read one tensor: glue operands of
     ``plans`` (adds, products, concats) and quantized conv/linear layers called on it, in any captured forward."""
-    from lq.glue import _plain_sequential
+    from lq.glue import first_layer
 
     groups: dict[tuple[int, object], list] = {}
 
@@ -74,8 +74,7 @@ def reader_groups(whole, plans: list, will_be_quantized) -> list[list]:
                 layer = module.get_submodule(n.target)
             except AttributeError:
                 continue
-            while _plain_sequential(layer) and len(layer):  # its first child reads the input
-                layer = layer[0]
+            layer = first_layer(layer)
             if isinstance(layer, TIED_LAYERS) and will_be_quantized(layer):
                 add(module, n.args[0], LayerSlot(layer))
     return [g for g in groups.values() if len(g) > 1]
@@ -86,13 +85,12 @@ def _grid(q) -> tuple | None:
     disabled, not a quantizer)."""
     if not isinstance(q, TensorQuantizer) or q.axis is not None or not q.is_enabled:
         return None
-    return (q.num_bits, q.unsigned, q.narrow_range, getattr(q, "_asymmetric", False), q.fake_quant,
-            getattr(q, "_dynamic", False), getattr(q, "_block_sizes", None))
+    return q.num_bits, q.unsigned, q.narrow_range, q._asymmetric, q.fake_quant, q._dynamic, q._block_sizes
 
 
-def share(groups: list[list], converted) -> int:
+def share(groups: list[list], converted) -> None:
     """Give every slot of a group one quantizer: the first shareable layer's input quantizer, else the first glue
-    operand's; ``converted(m)``: the quantized module that replaces ``m``. Returns how many slots changed."""
+    operand's; ``converted(m)``: the quantized module that replaces ``m``."""
     from lq.glue import INPUT_QUANTIZER
 
     def current(slot):
@@ -101,7 +99,6 @@ def share(groups: list[list], converted) -> int:
         quantizers = slot.plan.quantizers
         return quantizers[slot.name] if quantizers is not None and slot.name in quantizers else None
 
-    changed = 0
     for group in groups:
         ordered = [s for s in group if isinstance(s, LayerSlot)] + [s for s in group if isinstance(s, GlueSlot)]
         owner = next((current(s) for s in ordered if _grid(current(s)) is not None), None)
@@ -115,5 +112,3 @@ def share(groups: list[list], converted) -> int:
                 setattr(converted(slot.layer), INPUT_QUANTIZER, owner)
             else:
                 slot.plan.quantizers[slot.name] = owner
-            changed += 1
-    return changed

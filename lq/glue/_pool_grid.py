@@ -23,7 +23,7 @@ def pool_readers(model: nn.Module, graphs: dict, will_be_quantized) -> list[tupl
     ``nn.Sequential`` blocks (CREPE's ``Sequential(block, block)``), and pools in a traced forward (``graphs``, by
     module id), called directly or ending a block it calls, whose output a quantized layer reads directly or
     through grid-preserving ops (the glue's tie, :func:`lq.glue._tie`)."""
-    from lq.glue import _plain_sequential, tied_layer, traced_calls
+    from lq.glue import _plain_sequential, first_layer, tied_layer, traced_calls
 
     def pool_ending(m: nn.Module):
         while _plain_sequential(m) and len(m):
@@ -31,8 +31,7 @@ def pool_readers(model: nn.Module, graphs: dict, will_be_quantized) -> list[tupl
         return m if isinstance(m, MAX_POOLS) and will_be_quantized(m) else None
 
     def layer_starting(m: nn.Module):
-        while _plain_sequential(m) and len(m):
-            m = m[0]
+        m = first_layer(m)
         return m if isinstance(m, TIED_LAYERS) and will_be_quantized(m) else None
 
     out = []
