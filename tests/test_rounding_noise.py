@@ -110,7 +110,9 @@ def test_a_deep_nets_good_file_verifies_against_its_own_rounding_noise(deep, tmp
     res = lq.export_onnx(model, x, str(tmp_path / "deep.onnx"), speed_check=False)
     (c,) = res.output_checks
     # the fixed count alone fails this file, and the model's own noise is what explains it
-    assert c.frac_far > _verify.FAR_FRACTION and c.noise_elements == c.elements == 640
+    assert c.frac_far > _verify.FAR_FRACTION and c.noise_elements == c.elements == 10 * c.rows
+    # 64 rows, or TOP1_MIN_ROWS where a class differed on one of them (CPU-dependent: on an AVX2-only EPYC one did)
+    assert c.rows in (len(x), _verify.TOP1_MIN_ROWS) and c.noise_rows == c.rows
     assert c.noise_frac_far > _verify.FAR_FRACTION and c.frac_far <= c.allowed_far
     assert c.allowed_far == pytest.approx(_verify.FAR_FRACTION + _verify.NOISE_FACTOR * c.noise_frac_far)
     assert "PyTorch itself under rounding-level noise" in res.verdict
