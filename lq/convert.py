@@ -619,13 +619,12 @@ def quantize_model(
             region_names += [o.path for o in glue_outputs if region.writes_float(o.layer)]
             glue_outputs = [o for o in glue_outputs if not region.writes_float(o.layer)]
         if (glue and activations) or shared_inputs:  # one tensor on one grid: a max pool's output and its reader,
-            whole = _glue.whole_graph(model, captured) if captured is not None else None
-            pool_pairs = _pool_grid.whole_pool_readers(whole, will_be_quantized) \
-                if whole is not None else _pool_grid.pool_readers(model, graphs, will_be_quantized)
-            if shared_inputs and whole is not None:  # and, for OpenVINO, through max pools and concats
-                tensor_groups = _tensor_ties.tensor_groups(whole, will_be_quantized)
-            # and every quantizer reading one tensor, in whichever forward (lq.glue._one_tensor)
+            # (the captured forwards, or without a capture the fx-traced ones: one walk either way)
             one_tensor = _glue.whole_graph(model, captured if captured is not None else graphs)
+            pool_pairs = _pool_grid.pool_readers(one_tensor, will_be_quantized)
+            if shared_inputs and captured is not None:  # and, for OpenVINO, through max pools and concats
+                tensor_groups = _tensor_ties.tensor_groups(one_tensor, will_be_quantized)
+            # and every quantizer reading one tensor, in whichever forward (lq.glue._one_tensor)
         if not glue:
             glue_outputs, glue_already, glue_notes = [], [], []
         # a child's join operand and the caller's layer reading the same tensor: one grid (lq.glue._argument_ties)

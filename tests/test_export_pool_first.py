@@ -244,3 +244,59 @@ def test_a_pool_after_relu_and_batchnorm_reads_the_conv_integers(tmp_path):
     assert counts.get("NhwcMaxPool") == 2 and "MaxPool" not in counts, counts
     kernels = {k.layer: k.kernel for k in res.layer_kernels if k.op == "Conv"}
     assert kernels == {"layers.0.0": "QLinearConv", "layers.1.0": "QLinearConv"}, kernels
+
+
+class _DropoutEndedBlocks(nn.Module):
+    """A 1-D audio CNN's blocks: conv -> ReLU -> BN -> max pool -> dropout, each an nn.Sequential, so the pool does
+    not end its block and its reader begins the next one."""
+
+    def __init__(self):
+        super().__init__()
+
+        def block(i, o):
+            return nn.Sequential(nn.Conv1d(i, o, 3, padding=1), nn.ReLU(), nn.BatchNorm1d(o), nn.MaxPool1d(2),
+                                 nn.Dropout(0.1))
+
+        self.layers = nn.Sequential(block(1, 4), block(4, 4))
+        self.head = nn.Linear(4 * 4, 3)
+
+    def forward(self, x):
+        return self.head(self.layers(x).flatten(1))
+
+
+class _PoolThenStage(nn.Module):
+    """torchvision's ResNet stem: the pool called in the model's forward, its reader ``layer1.0.conv1`` inside a block
+    inside an nn.Sequential."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2 = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            return torch.relu(self.conv2(torch.relu(self.conv1(x))) + x)
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.relu, self.maxpool = nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)
+        self.layer1 = nn.Sequential(self.Block(), self.Block())
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = self.layer1(self.maxpool(self.relu(self.conv1(x))))
+        return self.fc(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("with_sample", [True, False])
+@pytest.mark.parametrize("make,sample,pairs", [
+    (_DropoutEndedBlocks, (2, 1, 16), [("layers.0.3", "layers.1.0"), ("layers.1.3", "head")]),
+    (_PoolThenStage, (2, 3, 16, 16), [("maxpool", "layer1.0.conv1")]),
+])
+def test_a_pool_takes_its_readers_grid_with_or_without_a_sample(make, sample, pairs, with_sample):
+    """The pool and its reader are found on one walk of the joined forwards (lq.glue._pool_grid): captured from the
+    sample, or without one traced per module by torch.fx with each nn.Sequential as the chain of its children."""
+    model = make().eval()
+    quantize_model(model, sample=torch.randn(*sample) if with_sample else None)
+    for pool, reader in pairs:
+        p, r = model.get_submodule(pool), model.get_submodule(reader)
+        assert p._input_quantizer is r._input_quantizer, (pool, reader)

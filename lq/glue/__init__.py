@@ -252,11 +252,14 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 def whole_graph(model: nn.Module, captured):
     """The captured forwards joined across module boundaries (:class:`lq.glue._whole.WholeGraph`); a module whose
     calls ran different ops is left out (nothing is known of where its values go). ``captured``: a capture, or
-    (a model placed without a sample) the forwards torch.fx traced, by module id, as :func:`plan` fills them."""
-    from lq.glue._whole import WholeGraph
+    (a model placed without a sample) the forwards torch.fx traced, by module id, as :func:`plan` fills them, with
+    each plain ``nn.Sequential`` as the chain of its children, so both give one graph the rules walk alike."""
+    from lq.glue._whole import WholeGraph, chain_graph
 
-    if isinstance(captured, dict):
-        return WholeGraph(model, captured)
+    if isinstance(captured, dict):  # torch.fx traces no plain nn.Sequential: its forward is the chain of its children
+        chains = {id(m): chain_graph(m) for _, m in model.named_modules()
+                  if _plain_sequential(m) and id(m) not in captured}
+        return WholeGraph(model, {**chains, **captured})
     return WholeGraph(model, {k: g for k, g in captured.graphs.items() if k not in captured.varying})
 
 

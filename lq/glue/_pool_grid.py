@@ -17,40 +17,9 @@ from torch import nn
 from lq.glue._rules import INPUT_QUANTIZER, MAX_POOLS, TIED_LAYERS, ties_through
 
 
-def pool_readers(model: nn.Module, graphs: dict, will_be_quantized) -> list[tuple[nn.Module, nn.Module]]:
-    """``(max pool, quantized layer reading its output)`` pairs: consecutive children of an ``nn.Sequential`` (or a
-    subclass keeping its forward), where the pool may end the one child and the layer begin the next inside nested
-    ``nn.Sequential`` blocks (CREPE's ``Sequential(block, block)``), and pools in a traced forward (``graphs``, by
-    module id), called directly or ending a block it calls, whose output a quantized layer reads directly or
-    through grid-preserving ops (the glue's tie, :func:`lq.glue._tie`)."""
-    from lq.glue import _plain_sequential, first_layer, tied_layer, traced_calls
-
-    def pool_ending(m: nn.Module):
-        while _plain_sequential(m) and len(m):
-            m = m[-1]
-        return m if isinstance(m, MAX_POOLS) and will_be_quantized(m) else None
-
-    def layer_starting(m: nn.Module):
-        m = first_layer(m)
-        return m if isinstance(m, TIED_LAYERS) and will_be_quantized(m) else None
-
-    out = []
-    for _, m in model.named_modules():
-        if _plain_sequential(m):
-            items = list(m._modules.values())
-            out += [(pool, layer) for pool, layer in ((pool_ending(a), layer_starting(b)) for a, b in zip(items, items[1:]))
-                    if pool is not None and layer is not None]
-    for parent, n, child, tie in traced_calls(model, graphs, will_be_quantized):
-        pool = pool_ending(child)
-        path = tie(n) if pool is not None else None
-        if path:
-            out.append((pool, tied_layer(parent, path)))
-    return out
-
-
-def whole_pool_readers(whole, will_be_quantized) -> list[tuple[nn.Module, nn.Module]]:
-    """``(max pool, quantized layer reading its output)`` on the captured model (:class:`lq.glue._whole.WholeGraph`):
-    the output followed out of the forward that calls the pool and into the forwards it is passed to, through
+def pool_readers(whole, will_be_quantized) -> list[tuple[nn.Module, nn.Module]]:
+    """``(max pool, quantized layer reading its output)`` on the model's joined forwards
+    (:class:`lq.glue._whole.WholeGraph`, captured or fx-traced): the output followed out of the forward that calls the pool and into the forwards it is passed to, through
     grid-preserving ops, to the first quantized conv/linear that reads it as its input. torchvision's ResNet pools
     in the model's forward and the pool's reader is ``layer1.0.conv1``, inside a block inside an nn.Sequential:
     the two quantizers were calibrated apart (scales 0.022175 and 0.022164) and onnxruntime ran the pool in float

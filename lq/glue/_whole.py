@@ -106,3 +106,14 @@ class WholeGraph:
         if not isinstance(value, fx.Node):
             return module, node
         return self.origin(parent, value)
+
+
+def chain_graph(sequential: nn.Sequential) -> fx.Graph:
+    """The graph of a plain ``nn.Sequential``'s forward: each child called on the previous one's output."""
+    graph = fx.Graph()
+    value = graph.placeholder("input")
+    for name, child in sequential._modules.items():
+        if child is not None:
+            value = graph.call_module(name, (value,))
+    graph.output(value)
+    return graph
