@@ -41,6 +41,16 @@ def available() -> bool:
     return qemu() is not None and not emulated()
 
 
+def native() -> bool:
+    """Whether this CPU is itself AVX2-only (AVX2, no AVX-512, no VNNI, no AMX): onnxruntime then picks here the
+    kernels it picks in the emulator, so a bench's run here already is the AVX2 run (qemu on a 2-core Zen took
+    over 30 minutes for MiniLM's files alone)."""
+    from lq._ext import cpu_flags
+
+    flags = cpu_flags()
+    return "avx2" in flags and not any(f.startswith(("avx512", "avx_vnni", "amx")) for f in flags)
+
+
 def _env() -> dict:
     """The emulated process's environment: this process's import path (a venv's too), one thread, and torch's
     oneDNN at SSE4.1 (its AVX2 JIT code miscomputes under qemu 7.2: nn.LSTM was 0.34 off; onnxruntime's kernels

@@ -372,7 +372,8 @@ def _on_avx2(row: dict, paths: dict, feeds, quality, fast: bool = False) -> None
     """``quality(first output)`` of every INT8 file of the row (``fast``: the callback default's) on this CPU and on an
     emulated AVX2-only CPU (qemu's Haswell: no AVX-512, no VNNI; :mod:`bench._avx2`), for the same ``feeds``, in
     ``row["acc_avx2"][file] = {"here": .., "avx2": ..}``: onnxruntime's AVX2 integer kernels saturate where VNNI
-    does not, so a file's accuracy can differ there. A note instead where qemu is not installed."""
+    does not, so a file's accuracy can differ there. On a CPU that is AVX2-only itself the run here is that run
+    (:func:`bench._avx2.native`). A note instead where neither is available."""
     from bench import _avx2
 
     # --fast: the callback's default recipe only (the file users get, u8 x s8 where AVX2 adds pairs in int16), on
@@ -380,12 +381,12 @@ def _on_avx2(row: dict, paths: dict, feeds, quality, fast: bool = False) -> None
     names = [n for n in paths if n not in (FP32, FP32_LEGACY) and (n == LQ_RECIPE or not fast)]
     if fast and row["model"] not in AVX2_FAST_MODELS:
         return
-    if not _avx2.available():
+    if not _avx2.available() and not _avx2.native():
         row["notes"].append("accuracy on AVX2 not measured: qemu-x86_64 is not installed (apt-get install qemu-user)")
         return
     cases = [(paths[n], feeds) for n in names]
     t = time.perf_counter()
-    avx2 = _avx2.first_outputs_on_avx2(cases)
+    avx2 = _avx2.first_outputs_here(cases) if _avx2.native() else _avx2.first_outputs_on_avx2(cases)
     row["avx2_s"] = time.perf_counter() - t
     here = _avx2.first_outputs_here(cases)
     row["avx2_inputs"] = len(next(iter(feeds.values())) if isinstance(feeds, dict) else feeds[0])
@@ -539,9 +540,9 @@ def check_vs_bench(rows: list[dict]) -> list[list[str]]:
 
 
 def _avx2_cpu() -> str:
-    from bench._avx2 import CPU
+    from bench._avx2 import CPU, native
 
-    return f"emulated: qemu {CPU}"
+    return "this CPU: AVX2 only, no emulator" if native() else f"emulated: qemu {CPU}"
 
 
 def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:

@@ -26,6 +26,7 @@ from lq.calibration import calibrate_model
 from lq.callbacks import QuantSwap
 from lq.config import Int8OnnxruntimeConfig, Int8ReduceRangeConfig, QuantConfig
 from lq.export import export_onnx
+from lq.export.verify._no_vnni import has_vnni
 
 from bench._avx2 import CPU, available, first_outputs_here, first_outputs_on_avx2
 
@@ -108,12 +109,6 @@ def _lstm_step_reference(x: np.ndarray, weight: float) -> np.ndarray:
     return sig * np.tanh(sig * np.tanh(z))
 
 
-def _has_vnni() -> bool:
-    with open("/proc/cpuinfo") as f:
-        flags = next((line for line in f if line.startswith("flags")), "").split()
-    return any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
-
-
 def test_the_fused_lstm_saturates_with_int8_weights_and_not_with_lqs_uint8_encoding(tmp_path):
     """Why lq writes 8-bit LSTM weights as uint8: onnxruntime's DynamicQuantizeLSTM runs the same u8 x s8 kernel,
     so full-range int8 weights with inputs at the top of their range saturate on AVX2 (not on VNNI CPUs).
@@ -128,7 +123,7 @@ def test_the_fused_lstm_saturates_with_int8_weights_and_not_with_lqs_uint8_encod
     np.testing.assert_allclose(avx2[1][0, 0], ref, rtol=1e-5)  # and on AVX2
     assert np.abs(avx2[0][0, 0] - ref).max() > 0.1  # int8 on AVX2: pair sums saturated (0.14 where it is 0.30)
     # int8 here: exact on a VNNI CPU, the AVX2 kernel's saturated numbers on one without
-    np.testing.assert_allclose(here[0][0, 0], ref if _has_vnni() else avx2[0][0, 0], rtol=1e-5)
+    np.testing.assert_allclose(here[0][0, 0], ref if has_vnni() else avx2[0][0, 0], rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------- real models

@@ -40,12 +40,18 @@ def needed() -> bool:
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     if cap and not any(k in cap for k in _WITH_VNNI):
         return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return any(f in flags.split() for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+    return has_vnni()
+
+
+#: the CPU flags of VNNI's integer dot products (AVX-512 VNNI, AVX-VNNI, AMX)
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def has_vnni() -> bool:
+    """Whether this CPU has VNNI (products accumulated in int32, no saturating int16 pair sums)."""
+    from lq._ext import cpu_flags
+
+    return any(f in cpu_flags() for f in VNNI_FLAGS)
 
 
 def _send(stream, data: bytes) -> None:
