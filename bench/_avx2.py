@@ -46,9 +46,10 @@ def native() -> bool:
     kernels it picks in the emulator, so a bench's run here already is the AVX2 run (qemu on a 2-core Zen took
     over 30 minutes for MiniLM's files alone)."""
     from lq._ext import cpu_flags
+    from lq.export.verify._no_vnni import has_vnni
 
     flags = cpu_flags()
-    return "avx2" in flags and not any(f.startswith(("avx512", "avx_vnni", "amx")) for f in flags)
+    return "avx2" in flags and not has_vnni() and not any(f.startswith(("avx512", "amx")) for f in flags)
 
 
 def _env() -> dict:
