@@ -22,8 +22,8 @@ def pool_readers(whole, will_be_quantized) -> list[tuple[nn.Module, nn.Module]]:
     (:class:`lq.glue._whole.WholeGraph`, captured or fx-traced): the output followed out of the forward that calls
     the pool and into the forwards it is passed to, through grid-preserving ops, to the first quantized conv/linear
     that reads it as its input. torchvision's ResNet pools in the model's forward and the pool's reader is
-    ``layer1.0.conv1``, inside a block inside an nn.Sequential: the two quantizers were calibrated apart (scales 0.022175 and 0.022164) and onnxruntime ran the pool in float
-    between DQ and Q."""
+    ``layer1.0.conv1``, inside a block inside an nn.Sequential: the two quantizers were calibrated apart (scales
+    0.022175 and 0.022164) and onnxruntime ran the pool in float between DQ and Q."""
     out = []
     for mid, graph in whole.graphs.items():
         parent = whole.module(mid)
